@@ -1,0 +1,117 @@
+"""Writes a random-weight GPT-2 checkpoint, so MAX can serve GPT-2 with no network.
+
+    python -m gpt2_max.checkpoint ./gpt2-random --preset gpt2
+
+The folder has what a hub GPT-2 repository has: `config.json`, `model.safetensors`
+in the original hub layout (bare keys, `Conv1D` weights stored `[in, out]`,
+`h.N.attn.bias` mask buffers) and the real GPT-2 tokenizer, vendored in
+`gpt2_max/gpt2_tokenizer`. Only the weights are random, so the text is noise but
+every shape, code path and cost is that of the real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from transformers import GPT2Config
+
+TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+PRESETS: dict[str, dict[str, int]] = {
+    "distilgpt2": dict(n_layer=6, n_embd=768, n_head=12),
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
+    "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
+}
+"""The GPT-2 family's shapes; all share the 50257-token vocabulary and 1024 positions."""
+
+
+def random_hub_state_dict(
+    config: GPT2Config, seed: int = 0, std: float = 0.02
+) -> dict[str, np.ndarray]:
+    """Random float32 weights for `config`, keyed and laid out as on the hub."""
+    rng = np.random.default_rng(seed)
+    hidden, inner = config.n_embd, config.n_inner or 4 * config.n_embd
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, std, size=shape).astype(np.float32)
+
+    def near_one(n: int) -> np.ndarray:
+        return (1.0 + normal(n)).astype(np.float32)
+
+    causal_mask = np.tril(np.ones((config.n_positions,) * 2, dtype=np.float32))
+    state = {
+        "wte.weight": normal(config.vocab_size, hidden),
+        "wpe.weight": normal(config.n_positions, hidden),
+        "ln_f.weight": near_one(hidden),
+        "ln_f.bias": normal(hidden),
+    }
+    for i in range(config.n_layer):
+        state |= {
+            f"h.{i}.ln_1.weight": near_one(hidden),
+            f"h.{i}.ln_1.bias": normal(hidden),
+            f"h.{i}.attn.bias": causal_mask[None, None],
+            f"h.{i}.attn.c_attn.weight": normal(hidden, 3 * hidden),
+            f"h.{i}.attn.c_attn.bias": normal(3 * hidden),
+            f"h.{i}.attn.c_proj.weight": normal(hidden, hidden),
+            f"h.{i}.attn.c_proj.bias": normal(hidden),
+            f"h.{i}.ln_2.weight": near_one(hidden),
+            f"h.{i}.ln_2.bias": normal(hidden),
+            f"h.{i}.mlp.c_fc.weight": normal(hidden, inner),
+            f"h.{i}.mlp.c_fc.bias": normal(inner),
+            f"h.{i}.mlp.c_proj.weight": normal(inner, hidden),
+            f"h.{i}.mlp.c_proj.bias": normal(hidden),
+        }
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = normal(config.vocab_size, hidden)
+    return state
+
+
+def copy_tokenizer(folder: Path) -> None:
+    """Puts the vendored GPT-2 tokenizer files into `folder`."""
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER_DIR / name, folder / name)
+
+
+def write_checkpoint(
+    folder: Path, config: GPT2Config, seed: int = 0, std: float = 0.02
+) -> Path:
+    """Writes config, random hub-layout weights and tokenizer into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.to_json_file(folder / "config.json")
+    save_file(
+        random_hub_state_dict(config, seed=seed, std=std),
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    copy_tokenizer(folder)
+    return folder
+
+
+def preset_config(preset: str, **overrides: object) -> GPT2Config:
+    """The `GPT2Config` of a GPT-2 family member, with `overrides` applied."""
+    return GPT2Config(**{**PRESETS[preset], **overrides})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="where to write the checkpoint")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--std", type=float, default=0.02, help="weight init std")
+    args = parser.parse_args(argv)
+    folder = write_checkpoint(
+        args.folder, preset_config(args.preset), seed=args.seed, std=args.std
+    )
+    print(f"wrote a random-weight {args.preset} checkpoint to {folder}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The GPT-2 network in MAX's ModuleV3 API, over a paged KV cache.
+
+The module tree mirrors the Hugging Face checkpoint (`wte`, `wpe`, `h.{i}.attn.c_attn`,
+`h.{i}.mlp.c_fc`, `ln_f`, ...), so weights load under their own names; the one
+layout difference, Conv1D's `[in, out]` weights, is undone in `weight_adapters`.
+
+A batch is ragged: the active tokens of every sequence are concatenated into one
+`[total_tokens]` stream and `input_row_offsets[b] : input_row_offsets[b + 1]` is
+sequence `b`'s slice. Each step embeds only those tokens, writes their keys and
+values into the cache and attends over everything cached for the sequence.
+"""
+
+from __future__ import annotations
+
+from max import tree
+from max.driver import CPU
+from max.dtype import DType
+from max.experimental import functional as F
+from max.experimental.nn import Embedding, Linear, Module
+from max.experimental.nn.common_layers.functional_kernels import (
+    flash_attention_ragged,
+)
+from max.experimental.nn.norm import LayerNorm
+from max.experimental.nn.sequential import ModuleList
+from max.experimental.tensor import Tensor
+from max.graph import ops
+from max.nn import kernels
+from max.nn.attention import MHAMaskVariant
+from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
+from max.nn.transformer import ReturnLogits
+from max.pipelines.lib import ModuleV3Outputs
+
+from .model_config import GPT2Config
+
+# Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
+# cache, and returns Q.
+fused_qkv_ragged_matmul = F.functional(kernels.fused_qkv_ragged_matmul)
+
+
+def activation(name: str, x: Tensor) -> Tensor:
+    """The MLP nonlinearity, as transformers computes it for each config name."""
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "quick_gelu":
+        return x * F.sigmoid(1.702 * x)
+    if name == "relu":
+        return F.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    if name == "tanh":
+        return F.tanh(x)
+    if name == "sigmoid":
+        return F.sigmoid(x)
+    if name == "linear":
+        return x
+    raise ValueError(f"unknown activation {name!r}")
+
+
+class GPT2Attention(Module[..., Tensor]):
+    """Causal multi-head self-attention over the paged KV cache."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+        self.kv_params = config.kv_params
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale(layer_idx)
+        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.c_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+
+    def forward(
+        self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
+    ) -> Tensor:
+        layer_idx = F.constant(self.layer_idx, DType.uint32, device=CPU())
+        q = fused_qkv_ragged_matmul(
+            self.kv_params,
+            input=x,
+            input_row_offsets=input_row_offsets,
+            wqkv=self.c_attn.weight,
+            kv_collection=kv_collection,
+            layer_idx=layer_idx,
+            n_heads=self.num_heads,
+            bias=self.c_attn.bias,
+        )
+        attn = flash_attention_ragged(
+            self.kv_params,
+            input=q.reshape([-1, self.num_heads, self.head_dim]),
+            input_row_offsets=input_row_offsets,
+            kv_collection=kv_collection,
+            layer_idx=layer_idx,
+            mask_variant=MHAMaskVariant.CAUSAL_MASK,
+            scale=self.scale,
+        )
+        return self.c_proj(attn.reshape([-1, self.num_heads * self.head_dim]))
+
+
+class GPT2MLP(Module[[Tensor], Tensor]):
+    """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        self.activation = config.activation
+        self.c_fc = Linear(config.hidden_size, config.feed_forward_size, bias=True)
+        self.c_proj = Linear(config.feed_forward_size, config.hidden_size, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(activation(self.activation, self.c_fc(x)))
+
+
+class GPT2Block(Module[..., Tensor]):
+    """Pre-LayerNorm transformer block with residual connections."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+        eps = config.layer_norm_epsilon
+        self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(
+        self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
+    ) -> Tensor:
+        x = x + self.attn(self.ln_1(x), kv_collection, input_row_offsets)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(Module[..., ModuleV3Outputs]):
+    """GPT-2 language model: embeddings, `n_layer` blocks, final norm, LM head."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        self.config = config
+        self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
+        self.wpe = Embedding(config.max_positions, dim=config.hidden_size)
+        self.h = ModuleList(
+            [GPT2Block(config, i) for i in range(config.num_layers)]
+        )
+        self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        # A tied head reads `wte` in place (`h @ wte.T` is a transposed-operand
+        # matmul, not a copy); an untied one has its own `[vocab, hidden]` weight.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Final LayerNorm and LM head for the rows of `h`."""
+        h = self.ln_f(h)
+        if self.lm_head is None:
+            return h @ self.wte.weight.T
+        return self.lm_head(h)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        position_ids: Tensor,
+        return_n_logits: Tensor,
+        input_row_offsets: Tensor,
+        *kv_inputs: Tensor,
+    ) -> ModuleV3Outputs:
+        per_device = self.config.kv_params.unflatten_kv_inputs(
+            iter(x._graph_value for x in kv_inputs)
+        )
+        (kv_collection,) = tree.leaves(per_device, leaf=KVCacheInputsPerDevice)
+
+        h = self.wte(tokens) + self.wpe(position_ids)
+        for block in self.h:
+            h = block(h, kv_collection, input_row_offsets)
+
+        last_rows = input_row_offsets[1:] - 1
+        next_token_logits = self.logits(F.gather(h, last_rows, axis=0))
+
+        mode = self.config.return_logits
+        if mode == ReturnLogits.ALL:
+            return ModuleV3Outputs(
+                next_token_logits=next_token_logits,
+                logits=self.logits(h),
+                logit_offsets=input_row_offsets,
+            )
+        if mode == ReturnLogits.VARIABLE:
+            # The last `return_n_logits` rows of every sequence, in order.
+            n = return_n_logits[0]
+            back = ops.range(
+                n, 0, -1, out_dim="return_n_logits_range",
+                device=h.device, dtype=DType.int64,
+            )
+            rows = F.reshape(F.unsqueeze(input_row_offsets[1:], -1) - back, [-1])
+            offsets = ops.range(
+                0, rows.shape[0] + n, n, out_dim="logit_offsets",
+                device=h.device, dtype=DType.int64,
+            )
+            return ModuleV3Outputs(
+                next_token_logits=next_token_logits,
+                logits=self.logits(F.gather(h, rows, axis=0)),
+                logit_offsets=offsets,
+            )
+        return ModuleV3Outputs(next_token_logits=next_token_logits)

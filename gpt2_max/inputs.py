@@ -1,0 +1,37 @@
+"""Per-step graph inputs of the GPT-2 pipeline model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from max import tree
+from max.driver import Buffer
+from max.pipelines.lib import ModelInputs
+
+
+@dataclass
+class GPT2Inputs(ModelInputs):
+    """One step's ragged batch, in the order `GPT2.forward` takes it."""
+
+    tokens: Buffer
+    """`[total_tokens]` int64: every sequence's active tokens, concatenated."""
+
+    position_ids: Buffer
+    """`[total_tokens]` int64: each token's position in its own sequence."""
+
+    return_n_logits: Buffer
+    """`[1]` int64 on the host: rows per sequence in variable-logits mode."""
+
+    input_row_offsets: Buffer
+    """`[batch + 1]` uint32: where each sequence's tokens start and end."""
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        kv = tree.leaves(self.kv_cache_inputs) if self.kv_cache_inputs else ()
+        return (
+            self.tokens,
+            self.position_ids,
+            self.return_n_logits,
+            self.input_row_offsets,
+            *kv,
+        )

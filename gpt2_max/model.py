@@ -1,0 +1,38 @@
+"""The GPT-2 pipeline model: what MAX calls to build, compile and run GPT-2.
+
+`ModuleV3PipelineModelWithKVCache` owns the flow: it reads the weights through
+`weight_adapters`, asks `_create_model_config` for the config, builds the module
+under `F.lazy()` (so no placeholder weights are ever allocated), compiles it once
+with symbolic batch and sequence dimensions, and runs it every step on the
+`GPT2Inputs` that `GPT2BatchProcessor` prepares. `LogProbabilitiesMixin` adds
+log-probabilities from the logits the graph returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from max.pipelines.context import TextContext
+from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
+from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
+
+from .batch_processor import GPT2BatchProcessor
+from .gpt2 import GPT2
+from .model_config import GPT2Config
+
+
+class GPT2Model(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
+    """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching."""
+
+    model_config_cls: ClassVar[type[Any]] = GPT2Config
+    batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
+
+    def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2Config:
+        config = GPT2Config.initialize(self.pipeline_config, max_seq_len=self.max_seq_len)
+        config.return_logits = self.return_logits
+        return config
+
+    def _instantiate_module(self, model_config: GPT2Config) -> GPT2:
+        module = GPT2(model_config)
+        module.to(self.devices[0])
+        return module

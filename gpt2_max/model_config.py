@@ -1,0 +1,200 @@
+"""GPT-2 architecture config: the Hugging Face `GPT2Config` fields that shape the graph.
+
+`initialize` runs before any weight is read or graph is built (memory planning
+calls it too), so an unsupported checkpoint is refused here, with a message that
+names the field, instead of failing somewhere inside compilation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from max.dtype import DType
+from max.graph import DeviceRef
+from max.nn.kv_cache import KVCacheParams
+from max.nn.transformer import ReturnLogits
+from max.pipelines.kv_cache import cache_dtype_for_encoding
+from max.pipelines.lib import KVCacheConfig, MAXModelConfig, PipelineConfig
+from max.pipelines.lib.config.model_config import _select_quantization_encoding
+from max.pipelines.lib.interfaces.arch_config import (
+    ArchConfigWithKVCache,
+    ArchConfigWithStoredKVParams,
+)
+from max.pipelines.modeling.config_enums import (
+    SupportedEncoding,
+    supported_encoding_dtype,
+)
+from transformers import AutoConfig
+from typing_extensions import Self, override
+
+#: The `activation_function` values transformers accepts for GPT-2, mapped to the
+#: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
+#: formula under different names.
+ACTIVATIONS: dict[str, str] = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+    "sigmoid": "sigmoid",
+    "linear": "linear",
+}
+
+
+class UnsupportedCheckpointError(ValueError):
+    """The checkpoint's config asks for something this package does not compute."""
+
+
+def validate_huggingface_config(hf_config: Any) -> None:
+    """Refuses configs whose math this GPT-2 graph would get wrong.
+
+    Raises:
+        UnsupportedCheckpointError: naming the offending field.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type != "gpt2":
+        raise UnsupportedCheckpointError(
+            f"gpt2_max serves GPT-2 checkpoints (model_type 'gpt2'); this config "
+            f"has model_type {model_type!r}."
+        )
+    if getattr(hf_config, "add_cross_attention", False):
+        raise UnsupportedCheckpointError(
+            "add_cross_attention=True makes GPT-2 an encoder-decoder component; "
+            "gpt2_max serves decoder-only language models."
+        )
+    activation = hf_config.activation_function
+    if activation not in ACTIVATIONS:
+        raise UnsupportedCheckpointError(
+            f"activation_function {activation!r} is not supported; expected one "
+            f"of {sorted(ACTIVATIONS)}."
+        )
+    for name in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"):
+        value = getattr(hf_config, name, None)
+        if not isinstance(value, int) or value <= 0:
+            raise UnsupportedCheckpointError(
+                f"config field {name} must be a positive integer, got {value!r}."
+            )
+    if hf_config.n_embd % hf_config.n_head:
+        raise UnsupportedCheckpointError(
+            f"n_embd ({hf_config.n_embd}) must be divisible by n_head "
+            f"({hf_config.n_head})."
+        )
+    n_inner = getattr(hf_config, "n_inner", None)
+    if n_inner is not None and (not isinstance(n_inner, int) or n_inner <= 0):
+        raise UnsupportedCheckpointError(
+            f"n_inner must be null or a positive integer, got {n_inner!r}."
+        )
+
+
+@dataclass(kw_only=True)
+class GPT2Config(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
+    """Everything the GPT-2 graph is built from."""
+
+    DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
+    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32"}
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    feed_forward_size: int
+    max_positions: int
+    layer_norm_epsilon: float
+    activation: str
+    scale_attn_weights: bool
+    scale_attn_by_inverse_layer_idx: bool
+    tie_word_embeddings: bool
+    max_seq_len: int
+    dtype: DType
+    devices: list[DeviceRef]
+    kv_params: KVCacheParams
+    return_logits: ReturnLogits = ReturnLogits.LAST_TOKEN
+
+    def attention_scale(self, layer_idx: int) -> float:
+        """The softmax scale of layer `layer_idx`, as transformers' GPT-2 applies it."""
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale_attn_weights else 1.0
+        if self.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer_idx + 1)
+        return scale
+
+    @staticmethod
+    def get_num_layers(huggingface_config: AutoConfig) -> int:
+        return int(huggingface_config.n_layer)
+
+    @classmethod
+    def construct_kv_params(
+        cls,
+        huggingface_config: AutoConfig,
+        pipeline_config: PipelineConfig,
+        devices: list[DeviceRef],
+        kv_cache_config: KVCacheConfig,
+        cache_dtype: DType,
+        *,
+        allow_kv_head_replication: bool = False,
+    ) -> KVCacheParams:
+        """Multi-head attention: every query head has its own K/V head."""
+        validate_huggingface_config(huggingface_config)
+        return kv_cache_config.to_params(
+            dtype=cache_dtype,
+            allow_kv_head_replication=allow_kv_head_replication,
+            n_kv_heads=huggingface_config.n_head,
+            head_dim=huggingface_config.n_embd // huggingface_config.n_head,
+            num_layers=huggingface_config.n_layer,
+            devices=devices,
+            data_parallel_degree=pipeline_config.model.data_parallel_degree,
+        )
+
+    @override
+    @classmethod
+    def initialize(
+        cls,
+        pipeline_config: PipelineConfig,
+        model_config: MAXModelConfig | None = None,
+        *,
+        max_seq_len: int,
+    ) -> Self:
+        model_config = model_config or pipeline_config.model
+        hf = model_config.huggingface_config
+        if hf is None:
+            raise UnsupportedCheckpointError(
+                f"No config.json could be read for '{model_config.model_path}'."
+            )
+        validate_huggingface_config(hf)
+        encoding = _select_quantization_encoding(model_config, cls.DEFAULT_ENCODING)
+        devices = [
+            DeviceRef(spec.device_type, spec.id) for spec in model_config.device_specs
+        ]
+        return cls(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.n_embd,
+            num_layers=hf.n_layer,
+            num_heads=hf.n_head,
+            head_dim=hf.n_embd // hf.n_head,
+            feed_forward_size=hf.n_inner or 4 * hf.n_embd,
+            max_positions=hf.n_positions,
+            layer_norm_epsilon=hf.layer_norm_epsilon,
+            activation=ACTIVATIONS[hf.activation_function],
+            scale_attn_weights=hf.scale_attn_weights,
+            scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
+            tie_word_embeddings=getattr(hf, "tie_word_embeddings", True),
+            max_seq_len=max_seq_len,
+            dtype=supported_encoding_dtype(encoding),
+            devices=devices,
+            kv_params=cls.construct_kv_params(
+                huggingface_config=hf,
+                pipeline_config=pipeline_config,
+                devices=devices,
+                kv_cache_config=model_config.kv_cache,
+                cache_dtype=cache_dtype_for_encoding(
+                    encoding, model_config.kv_cache.kv_cache_format
+                ),
+            ),
+        )

@@ -1,0 +1,116 @@
+"""Maps a GPT-2 safetensors checkpoint onto the parameter names of `gpt2.GPT2`.
+
+Two layouts exist in the wild and both load:
+
+- the original hub layout, bare keys (`wte.weight`, `h.0.attn.c_attn.weight`)
+  plus the `h.N.attn.bias` / `h.N.attn.masked_bias` causal-mask buffers;
+- the layout transformers saves, the same keys under `transformer.` and an
+  `lm_head.weight` when the head is untied.
+
+GPT-2 was written with `Conv1D` layers whose weights are stored `[in, out]`;
+MAX's `Linear` stores `[out, in]`. That transpose happens here, once at load,
+and nowhere else. Every tensor is then checked against the shape the config
+implies, so a truncated or mismatched checkpoint fails naming the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+from max.dtype import DType
+from max.graph.weights import WeightData, Weights
+
+CONV1D_WEIGHTS = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
+"""Weights stored by transformers' `Conv1D` as `[in_features, out_features]`."""
+
+CAUSAL_MASK_BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+"""Constant mask buffers older checkpoints carry; attention masks in-kernel."""
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match its config."""
+
+
+def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter `gpt2.GPT2` needs, in MAX's `[out, in]` layout."""
+    hidden, vocab = hf_config.n_embd, hf_config.vocab_size
+    inner = hf_config.n_inner or 4 * hidden
+    shapes: dict[str, tuple[int, ...]] = {
+        "wte.weight": (vocab, hidden),
+        "wpe.weight": (hf_config.n_positions, hidden),
+        "ln_f.weight": (hidden,),
+        "ln_f.bias": (hidden,),
+    }
+    for i in range(hf_config.n_layer):
+        for name, shape in {
+            "ln_1.weight": (hidden,),
+            "ln_1.bias": (hidden,),
+            "attn.c_attn.weight": (3 * hidden, hidden),
+            "attn.c_attn.bias": (3 * hidden,),
+            "attn.c_proj.weight": (hidden, hidden),
+            "attn.c_proj.bias": (hidden,),
+            "ln_2.weight": (hidden,),
+            "ln_2.bias": (hidden,),
+            "mlp.c_fc.weight": (inner, hidden),
+            "mlp.c_fc.bias": (inner,),
+            "mlp.c_proj.weight": (hidden, inner),
+            "mlp.c_proj.bias": (hidden,),
+        }.items():
+            shapes[f"h.{i}.{name}"] = shape
+    if not getattr(hf_config, "tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
+    """The tensor as float32 (MAX's CPU path has no half precision), maybe transposed."""
+    if not weight.dtype.is_float():
+        raise CheckpointError(
+            f"tensor {name!r} has dtype {weight.dtype}; expected a floating-point tensor."
+        )
+    if weight.dtype != DType.float32:
+        weight = weight.astype(DType.float32)
+    if transpose:
+        array = np.ascontiguousarray(np.from_dlpack(weight.to_buffer()).T)
+        return WeightData.from_numpy(array, name)
+    return weight
+
+
+def convert_safetensor_state_dict(
+    state_dict: dict[str, Weights], huggingface_config: Any, **unused_kwargs: Any
+) -> dict[str, WeightData]:
+    """Renames, transposes and validates a GPT-2 checkpoint for `gpt2.GPT2`.
+
+    Raises:
+        CheckpointError: a tensor is missing, unexpected, or of the wrong shape.
+    """
+    expected = expected_shapes(huggingface_config)
+    converted: dict[str, WeightData] = {}
+    for key, weights in state_dict.items():
+        name = key.removeprefix("transformer.")
+        if CAUSAL_MASK_BUFFERS.fullmatch(name):
+            continue
+        if name == "lm_head.weight" and name not in expected:
+            continue  # A tied head saved anyway: it is `wte.weight` again.
+        if name not in expected:
+            raise CheckpointError(
+                f"unexpected tensor {key!r}: not a GPT2LMHeadModel parameter."
+            )
+        weight = weights.data()
+        conv1d = CONV1D_WEIGHTS.fullmatch(name) is not None
+        stored_shape = expected[name][::-1] if conv1d else expected[name]
+        shape = tuple(int(d) for d in weight.shape)
+        if shape != stored_shape:
+            raise CheckpointError(
+                f"tensor {key!r} has shape {shape}; the config implies {stored_shape}."
+            )
+        converted[name] = _as_float32(name, weight, transpose=conv1d)
+    missing = [name for name in expected if name not in converted]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint is missing {len(missing)} tensor(s), first "
+            f"{missing[0]!r} with shape {expected[missing[0]]}."
+        )
+    return converted
