@@ -1,4 +1,11 @@
-"""GPT-2's tokenizer, with a chat template so `/v1/chat/completions` works.
+"""GPT-2's tokenizer: request validation and a default chat template.
+
+A prompt given as token ids is checked against the model's vocabulary here,
+before it is queued: an id outside `[0, vocab_size)` would index past the
+embedding table inside the graph and take the model worker down, so it is
+answered with a 400 (`InputError`) instead. So is a request for echoed
+log-probabilities from a server started without `--enable-echo`: the graph then
+returns only last-position logits and the step would fail.
 
 GPT-2 was never trained on chats and ships no chat template; MAX answers a chat
 request to such a model with 400. `PLAIN_CHAT_TEMPLATE` renders a conversation
@@ -12,8 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from max.pipelines.lib import TextTokenizer
+import numpy as np
+from max.pipelines.context import TextContext
+from max.pipelines.context.exceptions import InputError
+from max.pipelines.lib import PipelineConfig, TextTokenizer
 from max.pipelines.modeling.types import (
+    TextGenerationRequest,
     TextGenerationRequestMessage,
     TextGenerationRequestTool,
 )
@@ -28,7 +39,32 @@ PLAIN_CHAT_TEMPLATE = (
 
 
 class GPT2Tokenizer(TextTokenizer):
-    """`TextTokenizer` that renders chats with `PLAIN_CHAT_TEMPLATE` when it has none."""
+    """`TextTokenizer` that validates token ids and renders chats without a template."""
+
+    def __init__(
+        self, model_path: str, pipeline_config: PipelineConfig, **kwargs: Any
+    ) -> None:
+        super().__init__(model_path, pipeline_config, **kwargs)
+        model_vocab = pipeline_config.model.huggingface_config.vocab_size
+        self.valid_token_ids = min(model_vocab, self.tokenizer_vocab_size)
+        self.echo_enabled = pipeline_config.model.enable_echo
+
+    async def new_context(self, request: TextGenerationRequest) -> TextContext:
+        if request.echo and request.logprobs and not self.echo_enabled:
+            raise InputError(
+                "echo with logprobs needs the logits of every prompt token; "
+                "start the server with --enable-echo to serve it."
+            )
+        context = await super().new_context(request)
+        prompt = np.asarray(context.tokens.prompt)
+        (invalid,) = np.nonzero((prompt < 0) | (prompt >= self.valid_token_ids))
+        if invalid.size:
+            raise InputError(
+                f"prompt token id {int(prompt[invalid[0]])} at position "
+                f"{int(invalid[0])} is outside the vocabulary "
+                f"[0, {self.valid_token_ids})."
+            )
+        return context
 
     def apply_chat_template(
         self,
