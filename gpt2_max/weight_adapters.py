@@ -68,7 +68,7 @@ def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
     """The tensor as float32 (MAX's CPU path has no half precision), maybe transposed."""
     if not weight.dtype.is_float():
         raise CheckpointError(
-            f"tensor {name!r} has dtype {weight.dtype}; expected a floating-point tensor."
+            f"tensor {name!r} has dtype {weight.dtype.name}; expected a floating-point tensor."
         )
     if weight.dtype != DType.float32:
         weight = weight.astype(DType.float32)

@@ -1,0 +1,66 @@
+"""Runs `max serve` with the gpt2_max plugin on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 900  # A cold compile of a new graph takes minutes on 2 cores.
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def max_serve(model: Path, *args: str, log: Path) -> Iterator[str]:
+    """Starts `max serve` for `model`, yields its base URL once it answers, stops it."""
+    port = free_port()
+    env = {**os.environ, "MAX_SERVE_METRICS_ENDPOINT_PORT": str(free_port())}
+    command = [
+        str(Path(sys.executable).with_name("max")), "serve",
+        "--custom-architectures", "gpt2_max",
+        "--model", str(model),
+        "--devices", "cpu",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        *args,
+    ]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"max serve exited with {process.returncode}:\n{log.read_text()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()

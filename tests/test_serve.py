@@ -1,0 +1,195 @@
+"""End to end: `max serve --custom-architectures gpt2_max` on loopback, via the openai client.
+
+Prompts are sent as token ids and answers read back as token ids
+(`return_token_ids`), so each request is compared token for token with
+transformers' greedy decode of the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from openai import AsyncOpenAI, OpenAI
+from transformers import AutoTokenizer
+
+from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
+from tests.reference import TINY, hf_greedy, hf_prompt_logprobs
+from tests.server import max_serve
+
+N_POSITIONS = TINY["n_positions"]
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    """Batches up to 8 requests; prefix caching and chunked prefill at MAX's defaults."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with max_serve(checkpoints("default", "hub"), "--max-batch-size", "8", log=log) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chunking_server(checkpoints, tmp_path_factory):
+    """Splits prefills into 64-token chunks and returns logits for every prompt token."""
+    log = tmp_path_factory.mktemp("serve-chunked") / "server.log"
+    with max_serve(
+        checkpoints("default", "transformers-sharded"),
+        "--max-batch-size", "4",
+        "--max-batch-input-tokens", "64",
+        "--enable-echo",
+        log=log,
+    ) as url:
+        yield url
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def complete_concurrently(url: str, prompts: list[list[int]], max_tokens: int):
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
+        return await asyncio.gather(
+            *(
+                api.completions.create(model="gpt2", prompt=p, max_tokens=max_tokens, **GREEDY)
+                for p in prompts
+            )
+        )
+
+
+def token_ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def test_concurrent_requests_match_transformers(server, hf_models):
+    prompts = [random_prompt(n, seed=n) for n in (1, 5, 17, 33, 64, 100, 150, 200)]
+    responses = asyncio.run(complete_concurrently(server, prompts, max_tokens=24))
+    for prompt, response in zip(prompts, responses):
+        assert token_ids(response.choices[0]) == hf_greedy(hf_models("default"), prompt, 24)[0]
+
+
+def test_repeated_long_prompt_hits_the_prefix_cache(server, hf_models):
+    prompt = random_prompt(230, seed=42)
+    expected = hf_greedy(hf_models("default"), prompt, 16)[0]
+    first, second = (
+        client(server).completions.create(model="gpt2", prompt=prompt, max_tokens=16, **GREEDY)
+        for _ in range(2)
+    )
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert token_ids(first.choices[0]) == expected
+    assert token_ids(second.choices[0]) == expected
+
+
+def test_streaming_delivers_the_greedy_tokens_in_pieces(server, hf_models):
+    prompt = random_prompt(20, seed=7)
+    stream = client(server).completions.create(
+        model="gpt2", prompt=prompt, max_tokens=12, stream=True, **GREEDY
+    )
+    pieces = [token_ids(chunk.choices[0]) for chunk in stream if chunk.choices]
+    assert len([p for p in pieces if p]) > 1
+    assert sum(pieces, []) == hf_greedy(hf_models("default"), prompt, 12)[0]
+
+
+def test_logprobs_match_transformers(server, hf_models):
+    prompt = random_prompt(30, seed=3)
+    response = client(server).completions.create(
+        model="gpt2", prompt=prompt, max_tokens=6, logprobs=3, **GREEDY
+    )
+    choice = response.choices[0]
+    tokens, logits = hf_greedy(hf_models("default"), prompt, 6)
+    expected = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    assert token_ids(choice) == tokens
+    for step, token in enumerate(tokens):
+        assert choice.logprobs.token_logprobs[step] == pytest.approx(
+            float(expected[step, token]), abs=1e-3
+        )
+        top = choice.logprobs.top_logprobs[step]
+        assert len(top) == 3
+        assert max(top.values()) == pytest.approx(choice.logprobs.token_logprobs[step], abs=1e-6)
+
+
+def test_chat_completion_uses_the_plain_template(server, hf_models, checkpoints):
+    messages = [{"role": "user", "content": "Say something."}]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints("default", "hub"))
+    prompt = tokenizer.apply_chat_template(
+        messages, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True
+    )
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) else list(prompt)
+    response = client(server).chat.completions.create(
+        model="gpt2", messages=messages, max_tokens=8, **GREEDY
+    )
+    assert response.usage.prompt_tokens == len(prompt)
+    expected = tokenizer.decode(hf_greedy(hf_models("default"), prompt, 8)[0])
+    assert response.choices[0].message.content == expected
+
+
+def test_same_seed_samples_the_same_tokens(server):
+    prompt = random_prompt(10, seed=11)
+    sample = lambda: token_ids(  # noqa: E731
+        client(server)
+        .completions.create(
+            model="gpt2", prompt=prompt, max_tokens=16, temperature=1.0, seed=1234,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        .choices[0]
+    )
+    assert sample() == sample()
+
+
+def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
+    prompt = random_prompt(N_POSITIONS - 10, seed=5)
+    response = client(server).completions.create(
+        model="gpt2", prompt=prompt, max_tokens=100, **GREEDY
+    )
+    assert response.choices[0].finish_reason == "length"
+    assert token_ids(response.choices[0]) == hf_greedy(hf_models("default"), prompt, 10)[0]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (dict(prompt=list(range(N_POSITIONS + 1))), "Prompt is too long"),
+        (dict(prompt=[15496, 995, 50257]), "prompt token id 50257 at position 2 is outside the vocabulary"),
+        (dict(prompt=[15496, -1]), "prompt token id -1 at position 1 is outside the vocabulary"),
+        (dict(prompt="Hi", echo=True, logprobs=1), "start the server with --enable-echo"),
+        (dict(prompt="Hi", max_tokens="many"), ""),
+        (dict(prompt="Hi", temperature=-1), ""),
+    ],
+    ids=["too-long", "out-of-vocab", "negative-id", "echo-not-enabled", "wrong-type", "bad-temperature"],
+)
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, body, message):
+    response = httpx.post(
+        f"{server}/v1/completions", json={"model": "gpt2", "max_tokens": 4, **body}, timeout=60
+    )
+    assert 400 <= response.status_code < 500, response.text
+    assert message in response.text
+    prompt = random_prompt(12, seed=99)
+    after = client(server).completions.create(model="gpt2", prompt=prompt, max_tokens=4, **GREEDY)
+    assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
+
+
+def test_chunked_prefill_matches_transformers(chunking_server, hf_models):
+    prompts = [random_prompt(n, seed=n) for n in (70, 130, 190, 250)]
+    responses = asyncio.run(complete_concurrently(chunking_server, prompts, max_tokens=6))
+    for prompt, response in zip(prompts, responses):
+        assert token_ids(response.choices[0]) == hf_greedy(hf_models("default"), prompt, 6)[0]
+
+
+def test_echo_returns_the_prompt_logprobs(chunking_server, hf_models):
+    prompt = random_prompt(100, seed=8)
+    response = client(chunking_server).completions.create(
+        model="gpt2", prompt=prompt, max_tokens=1, echo=True, logprobs=1, **GREEDY
+    )
+    reported = response.choices[0].logprobs.token_logprobs
+    expected = hf_prompt_logprobs(hf_models("default"), prompt)
+    # The first prompt token has no logprob; then one per prompt token, then the new one.
+    assert reported[0] is None or math.isnan(reported[0])
+    np.testing.assert_allclose(reported[1 : len(prompt)], expected, atol=1e-3)
