@@ -13,6 +13,9 @@ from pathlib import Path
 
 import httpx
 
+MODEL_NAME = "gpt2"
+"""What requests name in `model`."""
+
 STARTUP_TIMEOUT_S = 900  # A cold compile of a new graph takes minutes on 2 cores.
 
 
@@ -31,6 +34,7 @@ def max_serve(model: Path, *args: str, log: Path) -> Iterator[str]:
         str(Path(sys.executable).with_name("max")), "serve",
         "--custom-architectures", "gpt2_max",
         "--model", str(model),
+        "--served-model-name", MODEL_NAME,
         "--devices", "cpu",
         "--host", "127.0.0.1",
         "--port", str(port),
