@@ -7,8 +7,9 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,17 +26,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass
+class Server:
+    url: str
+    """Base URL, `http://127.0.0.1:PORT`."""
+    pid: int
+    """The `max serve` process; its children are the model worker and friends."""
+
+
 @contextmanager
-def max_serve(model: Path, *args: str, log: Path) -> Iterator[str]:
-    """Starts `max serve` for `model`, yields its base URL once it answers, stops it."""
+def max_serve(
+    model: Path,
+    *args: str,
+    log: Path,
+    devices: str = "cpu",
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """Starts `max serve` for `model`, yields it once it answers, stops it."""
     port = free_port()
-    env = {**os.environ, "MAX_SERVE_METRICS_ENDPOINT_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "MAX_SERVE_METRICS_ENDPOINT_PORT": str(free_port()),
+        **(env or {}),
+    }
     command = [
         str(Path(sys.executable).with_name("max")), "serve",
         "--custom-architectures", "gpt2_max",
         "--model", str(model),
         "--served-model-name", MODEL_NAME,
-        "--devices", "cpu",
+        "--devices", devices,
         "--host", "127.0.0.1",
         "--port", str(port),
         *args,
@@ -60,7 +79,7 @@ def max_serve(model: Path, *args: str, log: Path) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        yield url
+        yield Server(url=url, pid=process.pid)
     finally:
         process.terminate()
         try:

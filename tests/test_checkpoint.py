@@ -6,7 +6,13 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.checkpoint import PRESETS, main, preset_config, random_hub_state_dict, write_checkpoint
+from gpt2_max.checkpoint import (
+    PRESETS,
+    main,
+    preset_config,
+    random_hub_state_dict,
+    write_checkpoint,
+)
 from tests.reference import TINY
 
 

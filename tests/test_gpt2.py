@@ -36,7 +36,7 @@ def test_batched_greedy_decode_matches_transformers(
     result = max_models(checkpoints(variant, layout)).generate(
         prompts, max_new_tokens=NEW_TOKENS, top_k=1, ignore_eos=True, output_logits=True
     )
-    for prompt, sequence, logits in zip(prompts, result.sequences, result.logits):
+    for prompt, sequence, logits in zip(prompts, result.sequences, result.logits, strict=True):
         hf_tokens, hf_logits = hf_greedy(hf_models(variant), prompt, NEW_TOKENS)
         assert sequence[len(prompt):] == hf_tokens
         np.testing.assert_allclose(logits, hf_logits, atol=LOGITS_ATOL, rtol=0)

@@ -7,14 +7,16 @@ import re
 
 import pytest
 from max.dtype import DType
+from transformers import GPT2Config
 
 from gpt2_max.model_config import (
     ACTIVATIONS,
-    GPT2Config as GPT2ArchConfig,
     UnsupportedCheckpointError,
     validate_huggingface_config,
 )
-from transformers import GPT2Config
+from gpt2_max.model_config import (
+    GPT2Config as GPT2ArchConfig,
+)
 from tests.reference import TINY
 
 

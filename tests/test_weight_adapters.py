@@ -94,14 +94,33 @@ def test_half_precision_checkpoint_loads_as_float32(hub_checkpoint):
     )
 
 
+def put(name: str, array: np.ndarray):
+    return lambda state: state.__setitem__(name, array)
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda s: s.pop("h.1.mlp.c_proj.bias"), "missing 1 tensor(s), first 'h.1.mlp.c_proj.bias' with shape (64,)"),
-        (lambda s: s.__setitem__("h.0.attn.c_attn.weight", np.zeros((64, 64), np.float32)), "'h.0.attn.c_attn.weight' has shape (64, 64); the config implies (64, 192)"),
-        (lambda s: s.__setitem__("h.0.attn.c_attn.weight", np.zeros((192, 64), np.float32)), "'h.0.attn.c_attn.weight' has shape (192, 64); the config implies (64, 192)"),
-        (lambda s: s.__setitem__("wpe.weight", np.zeros((256, 64), np.int32)), "'wpe.weight' has dtype int32"),
-        (lambda s: s.__setitem__("h.9.ln_1.weight", np.ones(64, np.float32)), "unexpected tensor 'h.9.ln_1.weight'"),
+        (
+            lambda state: state.pop("h.1.mlp.c_proj.bias"),
+            "missing 1 tensor(s), first 'h.1.mlp.c_proj.bias' with shape (64,)",
+        ),
+        (
+            put("h.0.attn.c_attn.weight", np.zeros((64, 64), np.float32)),
+            "'h.0.attn.c_attn.weight' has shape (64, 64); the config implies (64, 192)",
+        ),
+        (
+            put("h.0.attn.c_attn.weight", np.zeros((192, 64), np.float32)),
+            "'h.0.attn.c_attn.weight' has shape (192, 64); the config implies (64, 192)",
+        ),
+        (
+            put("wpe.weight", np.zeros((256, 64), np.int32)),
+            "'wpe.weight' has dtype int32",
+        ),
+        (
+            put("h.9.ln_1.weight", np.ones(64, np.float32)),
+            "unexpected tensor 'h.9.ln_1.weight'",
+        ),
     ],
     ids=["missing", "wrong-shape", "not-transposed", "wrong-dtype", "unexpected"],
 )

@@ -1,0 +1,259 @@
+"""Throughput and latency of gpt2_max under `max serve`, against HF transformers in the same run.
+
+    python benchmarks/bench_serve.py            # gpt2-small shape, 3 repetitions
+    python benchmarks/bench_serve.py --preset distilgpt2 --repeat 1 --quick
+
+Scenarios, each on a random-weight checkpoint of the chosen preset (float32):
+
+  a  1 request, 16-token prompt, 128 new tokens
+  b  1 request, 512-token prompt, 128 new tokens
+  c  8 concurrent requests, distinct 16-token prompts, 128 new tokens each
+  d  prefill: 900-token prompt, 1 new token
+  e  decode speed at 900 tokens of context / decode speed at 16 tokens
+
+plus time to first token, warm and cold server start and the peak RSS of the
+server's process tree. Hugging Face transformers (torch, KV cache) runs the same
+prompts in the same process tree, idle server beside it, and every MAX output is
+checked against its greedy tokens. Results are medians over `--repeat` runs,
+printed as a table and written as JSON to `benchmarks/results/`.
+Shared, noisy machines: read the ratios to HF, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from openai import AsyncOpenAI
+from transformers import GPT2LMHeadModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpt2_max.checkpoint import preset_config, write_checkpoint  # noqa: E402
+from tests.server import MODEL_NAME, max_serve  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+NEW_TOKENS = 128
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
+
+
+class PeakRss:
+    """Samples the RSS of a process and all its children until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                tree = [self.root, *self.root.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in tree))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+# ---- MAX, through the OpenAI API ------------------------------------------------
+
+
+async def stream_one(api: AsyncOpenAI, tokens: list[int], max_tokens: int) -> dict:
+    """One streamed greedy request: its tokens and the arrival time of each."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    out: list[int] = []
+    stream = await api.completions.create(
+        model=MODEL_NAME, prompt=tokens, max_tokens=max_tokens, stream=True, **GREEDY
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
+            new = chunk.choices[0].model_extra["token_ids"]
+            out += new
+            arrivals += [time.perf_counter() - start] * len(new)
+    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
+
+
+async def run_max(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
+        return list(await asyncio.gather(*(stream_one(api, p, max_tokens) for p in prompts)))
+
+
+def decode_rate(arrivals: list[float]) -> float:
+    """Tokens per second after the first token (steady-state decode)."""
+    return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+
+
+# ---- HF transformers --------------------------------------------------------------
+
+
+def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Greedy generation as one left-padded batch; tokens per prompt and wall time."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens, pad_token_id=0,
+        )
+    wall = time.perf_counter() - start
+    return {"tokens": [row[width:].tolist() for row in out], "wall": wall}
+
+
+def hf_decode_rate(model: GPT2LMHeadModel, tokens: list[int], steps: int = 64) -> float:
+    """HF's steady-state decode speed after prefilling `tokens`."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+    return steps / (time.perf_counter() - start)
+
+
+# ---- scenarios --------------------------------------------------------------------
+
+
+def scenarios(quick: bool) -> dict[str, list[list[int]]]:
+    long = 256 if quick else 512
+    return {
+        "a_single_16": [prompt(16, 1)],
+        "b_single_long": [prompt(long, 2)],
+        "c_concurrent_8x16": [prompt(16, 10 + i) for i in range(8)],
+        "d_prefill_900": [prompt(900, 3)],
+    }
+
+
+def measure(url: str, hf: GPT2LMHeadModel, quick: bool) -> dict:
+    """One repetition of every scenario, MAX then HF."""
+    row: dict[str, dict] = {}
+    for name, prompts in scenarios(quick).items():
+        new = 1 if name.startswith("d_") else NEW_TOKENS
+        ours = asyncio.run(run_max(url, prompts, new))
+        ref = run_hf(hf, prompts, new)
+        exact = all(o["tokens"] == r for o, r in zip(ours, ref["tokens"], strict=True))
+        if name.startswith("d_"):
+            units = len(prompts[0])  # prompt tokens processed
+        else:
+            units = new * len(prompts)
+        max_wall = max(o["wall"] for o in ours)
+        row[name] = {
+            "max_tok_s": units / max_wall,
+            "hf_tok_s": units / ref["wall"],
+            "ttft_s": statistics.median(o["arrivals"][0] for o in ours),
+            "exact": exact,
+        }
+    short, long = asyncio.run(run_max(url, [prompt(16, 4)], NEW_TOKENS)), asyncio.run(
+        run_max(url, [prompt(900, 5)], 120)
+    )
+    hf_ratio = hf_decode_rate(hf, prompt(900, 5)) / hf_decode_rate(hf, prompt(16, 4))
+    row["e_decode_900_over_16"] = {
+        "max_ratio": decode_rate(long[0]["arrivals"]) / decode_rate(short[0]["arrivals"]),
+        "hf_ratio": hf_ratio,
+    }
+    return row
+
+
+def concurrency_sweep(url: str, levels: list[int]) -> dict[int, float]:
+    """Aggregate MAX tokens/s for `n` concurrent 16-token prompts, 64 new tokens each."""
+    rates = {}
+    for n in levels:
+        results = asyncio.run(run_max(url, [prompt(16, 100 + i) for i in range(n)], 64))
+        rates[n] = 64 * n / max(r["wall"] for r in results)
+    return rates
+
+
+def median_table(runs: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for name in runs[0]:
+        out[name] = {
+            key: (all(r[name][key] for r in runs) if key == "exact"
+                  else statistics.median(r[name][key] for r in runs))
+            for key in runs[0][name]
+        }
+    return out
+
+
+def print_table(table: dict, startup: dict, sweep: dict[int, float]) -> None:
+    print(f"\n{'scenario':<22}{'MAX tok/s':>12}{'HF tok/s':>12}{'MAX/HF':>9}{'TTFT s':>9}  exact")
+    for name, m in table.items():
+        if "max_tok_s" in m:
+            print(f"{name:<22}{m['max_tok_s']:>12.1f}{m['hf_tok_s']:>12.1f}"
+                  f"{m['max_tok_s'] / m['hf_tok_s']:>9.2f}{m['ttft_s']:>9.3f}  {m['exact']}")
+        else:
+            print(f"{name:<22}{'MAX ' + format(m['max_ratio'], '.2f'):>12}"
+                  f"{'HF ' + format(m['hf_ratio'], '.2f'):>12}")
+    print(f"\nserver start: cold {startup['cold_s']:.1f} s, warm {startup['warm_s']:.1f} s; "
+          f"peak RSS of the server tree {startup['peak_rss_gb']:.2f} GB")
+    print("concurrency sweep (16-token prompts, 64 new tokens): " + ", ".join(
+        f"{n}: {rate:.0f} tok/s" for n, rate in sweep.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--devices", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="shorter long prompt")
+    parser.add_argument("--sweep", default="1,2,4,8,16,32")
+    args = parser.parse_args()
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    checkpoint = RESULTS / f"checkpoint-{args.preset}"
+    if not (checkpoint / "model.safetensors").exists():
+        write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
+    hf = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
+    serve_args = ["--max-batch-size", "32"]
+
+    startup: dict[str, float] = {}
+    cold_cache = RESULTS / "cold-cache"
+    for label, env in (("cold_s", {"XDG_CACHE_HOME": str(cold_cache)}), ("warm_s", {})):
+        start = time.perf_counter()
+        with max_serve(checkpoint, *serve_args, log=RESULTS / f"server-{label}.log",
+                       devices=args.devices, env=env):
+            startup[label] = time.perf_counter() - start
+    with max_serve(checkpoint, *serve_args, log=RESULTS / "server.log",
+                   devices=args.devices) as server:
+        url = server.url
+        rss = PeakRss(server.pid)
+        runs = [measure(url, hf, args.quick) for _ in range(args.repeat)]
+        sweep = concurrency_sweep(url, [int(n) for n in args.sweep.split(",")])
+        startup["peak_rss_gb"] = rss.stop() / 1e9
+    table = median_table(runs)
+    print_table(table, startup, sweep)
+    result = {
+        "preset": args.preset, "devices": args.devices, "repeat": args.repeat,
+        "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "median": table,
+        "runs": runs, "startup": startup, "concurrency_sweep": sweep,
+    }
+    out = RESULTS / f"bench-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
