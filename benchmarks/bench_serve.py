@@ -137,20 +137,22 @@ def hf_decode_rate(model: GPT2LMHeadModel, tokens: list[int], steps: int = 64) -
 # ---- scenarios --------------------------------------------------------------------
 
 
-def scenarios(quick: bool) -> dict[str, list[list[int]]]:
+def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
+    """Fresh prompts for every repetition, so no run is served from the prefix cache."""
     long = 256 if quick else 512
+    seed = 1000 * repetition
     return {
-        "a_single_16": [prompt(16, 1)],
-        "b_single_long": [prompt(long, 2)],
-        "c_concurrent_8x16": [prompt(16, 10 + i) for i in range(8)],
-        "d_prefill_900": [prompt(900, 3)],
+        "a_single_16": [prompt(16, seed + 1)],
+        "b_single_long": [prompt(long, seed + 2)],
+        "c_concurrent_8x16": [prompt(16, seed + 10 + i) for i in range(8)],
+        "d_prefill_900": [prompt(900, seed + 3)],
     }
 
 
-def measure(url: str, hf: GPT2LMHeadModel, quick: bool) -> dict:
+def measure(url: str, hf: GPT2LMHeadModel, quick: bool, repetition: int) -> dict:
     """One repetition of every scenario, MAX then HF."""
     row: dict[str, dict] = {}
-    for name, prompts in scenarios(quick).items():
+    for name, prompts in scenarios(quick, repetition).items():
         new = 1 if name.startswith("d_") else NEW_TOKENS
         ours = asyncio.run(run_max(url, prompts, new))
         ref = run_hf(hf, prompts, new)
@@ -166,10 +168,11 @@ def measure(url: str, hf: GPT2LMHeadModel, quick: bool) -> dict:
             "ttft_s": statistics.median(o["arrivals"][0] for o in ours),
             "exact": exact,
         }
-    short, long = asyncio.run(run_max(url, [prompt(16, 4)], NEW_TOKENS)), asyncio.run(
-        run_max(url, [prompt(900, 5)], 120)
-    )
-    hf_ratio = hf_decode_rate(hf, prompt(900, 5)) / hf_decode_rate(hf, prompt(16, 4))
+    seed = 1000 * repetition + 4
+    short_prompt, long_prompt = prompt(16, seed), prompt(900, seed + 1)
+    short = asyncio.run(run_max(url, [short_prompt], NEW_TOKENS))
+    long = asyncio.run(run_max(url, [long_prompt], 120))
+    hf_ratio = hf_decode_rate(hf, long_prompt) / hf_decode_rate(hf, short_prompt)
     row["e_decode_900_over_16"] = {
         "max_ratio": decode_rate(long[0]["arrivals"]) / decode_rate(short[0]["arrivals"]),
         "hf_ratio": hf_ratio,
@@ -181,7 +184,8 @@ def concurrency_sweep(url: str, levels: list[int]) -> dict[int, float]:
     """Aggregate MAX tokens/s for `n` concurrent 16-token prompts, 64 new tokens each."""
     rates = {}
     for n in levels:
-        results = asyncio.run(run_max(url, [prompt(16, 100 + i) for i in range(n)], 64))
+        prompts = [prompt(16, 100_000 + 100 * n + i) for i in range(n)]
+        results = asyncio.run(run_max(url, prompts, 64))
         rates[n] = 64 * n / max(r["wall"] for r in results)
     return rates
 
@@ -240,7 +244,7 @@ def main() -> None:
                    devices=args.devices) as server:
         url = server.url
         rss = PeakRss(server.pid)
-        runs = [measure(url, hf, args.quick) for _ in range(args.repeat)]
+        runs = [measure(url, hf, args.quick, repetition) for repetition in range(args.repeat)]
         sweep = concurrency_sweep(url, [int(n) for n in args.sweep.split(",")])
         startup["peak_rss_gb"] = rss.stop() / 1e9
     table = median_table(runs)

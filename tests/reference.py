@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.checkpoint import copy_tokenizer
 
-TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=256)
+TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
 """A GPT-2 small enough to compile and run quickly, with the real vocabulary."""
 
 

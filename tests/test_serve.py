@@ -173,11 +173,20 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt=[15496, -1]), "token id -1 at position 1 is outside"),
         (dict(prompt="Hi", echo=True, logprobs=1), "start the server with --enable-echo"),
         (dict(prompt="Hi", max_tokens="many"), ""),
+        (dict(prompt=""), ""),
+        (dict(prompt="Hi", max_tokens=-3), ""),
         (dict(prompt="Hi", temperature=-1), ""),
+        (dict(prompt="Hi", top_p=7), ""),
+        (dict(prompt="Hi", top_k=-5), ""),
+        (dict(prompt="Hi", frequency_penalty=1e9), ""),
+        (dict(prompt="Hi", logprobs=10_000), ""),
+        (dict(prompt="x " * 5_000_000), ""),
+        (dict(prompt={"not": "a prompt"}), ""),
     ],
     ids=[
         "too-long", "out-of-vocab", "negative-id", "echo-not-enabled", "wrong-type",
-        "bad-temperature",
+        "empty-prompt", "negative-max-tokens", "negative-temperature", "top-p-7",
+        "negative-top-k", "huge-penalty", "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, body, message):

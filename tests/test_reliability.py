@@ -1,0 +1,160 @@
+"""Serving under load, cancellations and broken checkpoints (`-m slow`; CI runs it).
+
+The load is bounded in count and time, goes to 127.0.0.1 only, and every
+completed request is checked token for token against transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.load import expected_tokens, plan_requests, run_load, tree_rss
+from tests.reference import TINY, hf_greedy
+from tests.server import max_serve
+
+pytestmark = pytest.mark.slow
+
+N_POSITIONS = TINY["n_positions"]
+CONCURRENCY = 32
+
+
+@pytest.fixture(scope="module")
+def busy_server(checkpoints, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-load") / "server.log"
+    with max_serve(
+        checkpoints("default", "hub"), "--max-batch-size", str(CONCURRENCY), log=log
+    ) as running:
+        yield running
+
+
+def test_load_with_cancellations_is_exact_and_loses_nothing(busy_server, hf_models):
+    requests = plan_requests(
+        500, N_POSITIONS, distinct_prompts=60, max_prompt=900, cancellations=50, seed=1
+    )
+    kept = [r for r in requests if not r.cancel_after_first_token]
+    expected = expected_tokens(hf_models("default"), kept, N_POSITIONS)
+    warmup = plan_requests(CONCURRENCY, N_POSITIONS, distinct_prompts=8, max_prompt=900, seed=2)
+    run_load(busy_server.url, warmup, CONCURRENCY)
+    rss_before = tree_rss(busy_server.pid)
+
+    report = run_load(busy_server.url, requests, CONCURRENCY)
+
+    rss_after = tree_rss(busy_server.pid)
+    assert report.failed == {}
+    assert report.duplicated == []
+    assert report.cancelled == 50
+    assert sorted(report.completed) == sorted(r.index for r in kept)
+    wrong = [i for i in report.completed if report.completed[i] != expected[i]]
+    assert wrong == []
+    assert rss_after <= 1.10 * rss_before, (rss_before, rss_after)
+
+
+def test_every_slot_can_fill_the_window_afterwards(busy_server, hf_models):
+    """All KV pages came back: a full batch of full-window sequences fits at once."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 50257, N_POSITIONS - 24).tolist() for _ in range(CONCURRENCY)]
+
+    async def fill() -> list:
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(
+            base_url=f"{busy_server.url}/v1", api_key="unused", max_retries=0, timeout=300
+        ) as api:
+            return await asyncio.gather(
+                *(
+                    api.completions.create(
+                        model="gpt2", prompt=p, max_tokens=24, temperature=0.0,
+                        extra_body={"ignore_eos": True, "return_token_ids": True},
+                    )
+                    for p in prompts
+                )
+            )
+
+    responses = asyncio.run(fill())
+    for prompt, response in zip(prompts, responses, strict=True):
+        assert response.choices[0].model_extra["token_ids"] == hf_greedy(
+            hf_models("default"), prompt, 24
+        )[0]
+
+
+def break_checkpoint(source: Path, target: Path, how: str) -> Path:
+    """A copy of `source` damaged in one way."""
+    target.mkdir()
+    for item in source.iterdir():
+        (target / item.name).write_bytes(item.read_bytes())
+    weights = target / "model.safetensors"
+    config = json.loads((target / "config.json").read_text())
+    if how == "truncated-file":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how in ("missing-tensor", "wrong-shape", "wrong-dtype"):
+        state = load_file(str(weights))
+        if how == "missing-tensor":
+            del state["h.1.attn.c_proj.weight"]
+        elif how == "wrong-shape":
+            state["ln_f.bias"] = np.zeros(7, np.float32)
+        else:
+            state["wte.weight"] = state["wte.weight"].astype(np.int32)
+        save_file(state, str(weights))
+    elif how == "heads-do-not-divide":
+        config["n_head"] = 5
+    elif how == "cross-attention":
+        config["add_cross_attention"] = True
+    elif how == "pickle-only":
+        weights.rename(target / "pytorch_model.bin")
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated-file", "safetensors"),
+        ("missing-tensor", "missing 1 tensor(s), first 'h.1.attn.c_proj.weight'"),
+        ("wrong-shape", "'ln_f.bias' has shape (7,); the config implies (64,)"),
+        ("wrong-dtype", "'wte.weight' has dtype int32"),
+        ("heads-do-not-divide", "n_embd (64) must be divisible by n_head (5)"),
+        ("cross-attention", "add_cross_attention"),
+        ("pickle-only", "safetensors"),
+    ],
+)
+def test_broken_checkpoint_stops_the_server_naming_the_problem(
+    checkpoints, tmp_path, how, message
+):
+    broken = break_checkpoint(checkpoints("default", "hub"), tmp_path / "broken", how)
+    start = time.monotonic()
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("max")), "serve",
+            "--custom-architectures", "gpt2_max", "--model", str(broken),
+            "--devices", "cpu", "--host", "127.0.0.1", "--port", "0",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert time.monotonic() - start < 300
+
+
+def test_max_length_beyond_the_positions_is_refused(checkpoints):
+    result = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("max")), "serve",
+            "--custom-architectures", "gpt2_max", "--model", str(checkpoints("default", "hub")),
+            "--devices", "cpu", "--host", "127.0.0.1", "--port", "0",
+            "--max-length", str(2 * N_POSITIONS),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode != 0
+    assert f"exceeds the model's max_position_embeddings ({N_POSITIONS})" in (
+        result.stdout + result.stderr
+    )
