@@ -123,7 +123,7 @@ def break_checkpoint(source: Path, target: Path, how: str) -> Path:
         ("wrong-dtype", "'wte.weight' has dtype int32"),
         ("heads-do-not-divide", "n_embd (64) must be divisible by n_head (5)"),
         ("cross-attention", "add_cross_attention"),
-        ("pickle-only", "safetensors"),
+        ("pickle-only", "compatible weights cannot be found"),
     ],
 )
 def test_broken_checkpoint_stops_the_server_naming_the_problem(
