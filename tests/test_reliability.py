@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.load import expected_tokens, plan_requests, run_load, tree_rss
+from tests.load import LoadRequest, expected_tokens, plan_requests, run_load, tree_rss
 from tests.reference import TINY, hf_greedy
 from tests.server import max_serve
 
@@ -60,8 +60,7 @@ def test_load_with_cancellations_is_exact_and_loses_nothing(busy_server, hf_mode
 
 def test_every_slot_can_fill_the_window_afterwards(busy_server, hf_models):
     """All KV pages came back: a full batch of full-window sequences fits at once."""
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, 50257, N_POSITIONS - 24).tolist() for _ in range(CONCURRENCY)]
+    prompts = [random_prompt(N_POSITIONS - 24, seed=1000 + i) for i in range(CONCURRENCY)]
 
     async def fill() -> list:
         from openai import AsyncOpenAI
@@ -84,6 +83,10 @@ def test_every_slot_can_fill_the_window_afterwards(busy_server, hf_models):
         assert response.choices[0].model_extra["token_ids"] == hf_greedy(
             hf_models("default"), prompt, 24
         )[0]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
 
 
 def break_checkpoint(source: Path, target: Path, how: str) -> Path:
@@ -158,3 +161,25 @@ def test_max_length_beyond_the_positions_is_refused(checkpoints):
     assert f"exceeds the model's max_position_embeddings ({N_POSITIONS})" in (
         result.stdout + result.stderr
     )
+
+
+def test_demand_beyond_the_token_budget_waits_and_completes(checkpoints, hf_models, tmp_path):
+    """8 near-full-window requests against room for 2 resident at a time.
+
+    MAX's CPU memory planner always sizes the KV cache for a full batch at full
+    length, so the budget is set with `--max-batch-total-tokens`: the scheduler
+    must hold requests back until pages free up, and none may fail.
+    """
+    requests = [
+        LoadRequest(i, tuple(random_prompt(900, seed=i)), 100, stream=i % 2 == 1)
+        for i in range(8)
+    ]
+    with max_serve(
+        checkpoints("default", "hub"),
+        "--max-batch-size", "8", "--max-batch-total-tokens", "2048",
+        log=tmp_path / "server.log",
+    ) as server:
+        report = run_load(server.url, requests, concurrency=8)
+    assert report.failed == {}
+    expected = expected_tokens(hf_models("default"), requests, N_POSITIONS)
+    assert report.completed == expected
