@@ -43,7 +43,7 @@ from transformers import GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2_max.checkpoint import preset_config, write_checkpoint  # noqa: E402
-from tests.reference import hf_greedy  # noqa: E402
+from tests.reference import hf_greedy, random_prompt  # noqa: E402
 from tests.server import MODEL_NAME, max_serve  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,10 +52,6 @@ NEAR_TIE = 0.01
 """A greedy choice whose top-two HF logits differ by less than this is a coin toss
 between float32 implementations (different summation orders), not a bug."""
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
 
 
 class PeakRss:
@@ -164,10 +160,10 @@ def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
     long = 256 if quick else 512
     seed = 1000 * repetition
     return {
-        "a_single_16": [prompt(16, seed + 1)],
-        "b_single_long": [prompt(long, seed + 2)],
-        "c_concurrent_8x16": [prompt(16, seed + 10 + i) for i in range(8)],
-        "d_prefill_900": [prompt(900, seed + 3)],
+        "a_single_16": [random_prompt(16, seed + 1)],
+        "b_single_long": [random_prompt(long, seed + 2)],
+        "c_concurrent_8x16": [random_prompt(16, seed + 10 + i) for i in range(8)],
+        "d_prefill_900": [random_prompt(900, seed + 3)],
     }
 
 
@@ -191,7 +187,7 @@ def measure(url: str, hf: GPT2LMHeadModel, quick: bool, repetition: int) -> dict
             "checks": checks,
         }
     seed = 1000 * repetition + 4
-    short_prompt, long_prompt = prompt(16, seed), prompt(900, seed + 1)
+    short_prompt, long_prompt = random_prompt(16, seed), random_prompt(900, seed + 1)
     short = asyncio.run(run_max(url, [short_prompt], NEW_TOKENS))
     long = asyncio.run(run_max(url, [long_prompt], 120))
     hf_ratio = hf_decode_rate(hf, long_prompt) / hf_decode_rate(hf, short_prompt)
@@ -206,7 +202,7 @@ def concurrency_sweep(url: str, levels: list[int]) -> dict[int, float]:
     """Aggregate MAX tokens/s for `n` concurrent 16-token prompts, 64 new tokens each."""
     rates = {}
     for n in levels:
-        prompts = [prompt(16, 100_000 + 100 * n + i) for i in range(n)]
+        prompts = [random_prompt(16, 100_000 + 100 * n + i) for i in range(n)]
         results = asyncio.run(run_max(url, prompts, 64))
         rates[n] = 64 * n / max(r["wall"] for r in results)
     return rates

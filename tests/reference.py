@@ -7,7 +7,6 @@ being right about what a GPT-2 checkpoint looks like.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -92,5 +91,6 @@ def hf_prompt_logprobs(model: GPT2LMHeadModel, prompt: list[int]) -> list[float]
     return [float(logprobs[i - 1, prompt[i]]) for i in range(1, len(prompt))]
 
 
-def read_config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
+def random_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids drawn uniformly from GPT-2's vocabulary."""
+    return np.random.default_rng(seed).integers(0, 50257, length).tolist()

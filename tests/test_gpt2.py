@@ -16,15 +16,14 @@ from transformers.activations import ACT2FN
 from gpt2_max.gpt2 import activation
 from gpt2_max.model_config import ACTIVATIONS
 from tests.conftest import LAYOUTS, VARIANTS
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, random_prompt
 
 NEW_TOKENS = 32
 LOGITS_ATOL = 1e-3
 
 
 def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 50257, n).tolist() for n in lengths]
+    return [random_prompt(n, seed=seed + i) for i, n in enumerate(lengths)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.load import LoadRequest, expected_tokens, plan_requests, run_load, tree_rss
-from tests.reference import TINY, hf_greedy
+from tests.reference import TINY, hf_greedy, random_prompt
 from tests.server import max_serve
 
 pytestmark = pytest.mark.slow
@@ -83,10 +83,6 @@ def test_every_slot_can_fill_the_window_afterwards(busy_server, hf_models):
         assert response.choices[0].model_extra["token_ids"] == hf_greedy(
             hf_models("default"), prompt, 24
         )[0]
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
 
 
 def break_checkpoint(source: Path, target: Path, how: str) -> Path:

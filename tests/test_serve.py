@@ -17,15 +17,11 @@ from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
-from tests.reference import TINY, hf_greedy, hf_prompt_logprobs
+from tests.reference import TINY, hf_greedy, hf_prompt_logprobs, random_prompt
 from tests.server import max_serve
 
 N_POSITIONS = TINY["n_positions"]
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
 
 
 @pytest.fixture(scope="module")
