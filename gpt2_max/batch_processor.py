@@ -2,8 +2,9 @@
 
 GPT-2's positions are learned embeddings, so besides the tokens the graph needs
 each token's absolute position. A context's active window starts where its KV
-cache ends (`tokens.processed_length`): after a prefix-cache hit or a previous
-prefill chunk that is past zero, and in decode it is the single newest token.
+cache ends (`tokens.processed_length`): at zero for a fresh prompt, further on
+after a prefix-cache hit or an earlier prefill chunk, and at the newest token
+when decoding.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ class GPT2Model(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextCont
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2Config:
-        config = GPT2Config.initialize(self.pipeline_config, max_seq_len=self.max_seq_len)
+        # The base class already built (and validated) the config from the
+        # pipeline config; only the logits mode is decided per pipeline.
+        config = self.arch_config_as(GPT2Config)
         config.return_logits = self.return_logits
         return config
 
