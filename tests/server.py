@@ -26,6 +26,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
+    """The `max serve` command line that loads `model` through the gpt2_max plugin."""
+    return [
+        str(Path(sys.executable).with_name("max")), "serve",
+        "--custom-architectures", "gpt2_max",
+        "--model", str(model),
+        "--devices", devices,
+        *args,
+    ]
+
+
 @dataclass
 class Server:
     url: str
@@ -49,16 +60,14 @@ def max_serve(
         "MAX_SERVE_METRICS_ENDPOINT_PORT": str(free_port()),
         **(env or {}),
     }
-    command = [
-        str(Path(sys.executable).with_name("max")), "serve",
-        "--custom-architectures", "gpt2_max",
-        "--model", str(model),
+    command = serve_command(
+        model,
         "--served-model-name", MODEL_NAME,
-        "--devices", devices,
         "--host", "127.0.0.1",
         "--port", str(port),
         *args,
-    ]
+        devices=devices,
+    )
     with open(log, "wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -6,10 +6,8 @@ completed request is checked token for token against transformers.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.load import LoadRequest, expected_tokens, plan_requests, run_load, tree_rss
-from tests.reference import TINY, hf_greedy, random_prompt
-from tests.server import max_serve
+from tests.reference import TINY, random_prompt
+from tests.server import max_serve, serve_command
 
 pytestmark = pytest.mark.slow
 
@@ -60,29 +58,13 @@ def test_load_with_cancellations_is_exact_and_loses_nothing(busy_server, hf_mode
 
 def test_every_slot_can_fill_the_window_afterwards(busy_server, hf_models):
     """All KV pages came back: a full batch of full-window sequences fits at once."""
-    prompts = [random_prompt(N_POSITIONS - 24, seed=1000 + i) for i in range(CONCURRENCY)]
-
-    async def fill() -> list:
-        from openai import AsyncOpenAI
-
-        async with AsyncOpenAI(
-            base_url=f"{busy_server.url}/v1", api_key="unused", max_retries=0, timeout=300
-        ) as api:
-            return await asyncio.gather(
-                *(
-                    api.completions.create(
-                        model="gpt2", prompt=p, max_tokens=24, temperature=0.0,
-                        extra_body={"ignore_eos": True, "return_token_ids": True},
-                    )
-                    for p in prompts
-                )
-            )
-
-    responses = asyncio.run(fill())
-    for prompt, response in zip(prompts, responses, strict=True):
-        assert response.choices[0].model_extra["token_ids"] == hf_greedy(
-            hf_models("default"), prompt, 24
-        )[0]
+    requests = [
+        LoadRequest(i, tuple(random_prompt(N_POSITIONS - 24, seed=1000 + i)), 24, stream=False)
+        for i in range(CONCURRENCY)
+    ]
+    report = run_load(busy_server.url, requests, CONCURRENCY)
+    assert report.failed == {}
+    assert report.completed == expected_tokens(hf_models("default"), requests, N_POSITIONS)
 
 
 def break_checkpoint(source: Path, target: Path, how: str) -> Path:
@@ -131,11 +113,7 @@ def test_broken_checkpoint_stops_the_server_naming_the_problem(
     broken = break_checkpoint(checkpoints("default", "hub"), tmp_path / "broken", how)
     start = time.monotonic()
     result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("max")), "serve",
-            "--custom-architectures", "gpt2_max", "--model", str(broken),
-            "--devices", "cpu", "--host", "127.0.0.1", "--port", "0",
-        ],
+        serve_command(broken, "--host", "127.0.0.1", "--port", "0"),
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode != 0
@@ -145,12 +123,10 @@ def test_broken_checkpoint_stops_the_server_naming_the_problem(
 
 def test_max_length_beyond_the_positions_is_refused(checkpoints):
     result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("max")), "serve",
-            "--custom-architectures", "gpt2_max", "--model", str(checkpoints("default", "hub")),
-            "--devices", "cpu", "--host", "127.0.0.1", "--port", "0",
-            "--max-length", str(2 * N_POSITIONS),
-        ],
+        serve_command(
+            checkpoints("default", "hub"),
+            "--host", "127.0.0.1", "--port", "0", "--max-length", str(2 * N_POSITIONS),
+        ),
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode != 0
