@@ -43,6 +43,7 @@ from transformers import GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2_max.checkpoint import preset_config, write_checkpoint  # noqa: E402
+from tests.load import GREEDY, tree_rss  # noqa: E402
 from tests.reference import hf_greedy, random_prompt  # noqa: E402
 from tests.server import MODEL_NAME, max_serve  # noqa: E402
 
@@ -51,14 +52,13 @@ NEW_TOKENS = 128
 NEAR_TIE = 0.01
 """A greedy choice whose top-two HF logits differ by less than this is a coin toss
 between float32 implementations (different summation orders), not a bug."""
-GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
 class PeakRss:
     """Samples the RSS of a process and all its children until stopped."""
 
     def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
+        self.pid = pid
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -67,8 +67,7 @@ class PeakRss:
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             try:
-                tree = [self.root, *self.root.children(recursive=True)]
-                self.peak = max(self.peak, sum(p.memory_info().rss for p in tree))
+                self.peak = max(self.peak, tree_rss(self.pid))
             except psutil.Error:
                 pass
 

@@ -7,21 +7,19 @@ transformers' greedy decode of the same prompt.
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import numpy as np
 import pytest
 import torch
-from openai import AsyncOpenAI, OpenAI
+from openai import OpenAI
 from transformers import AutoTokenizer
 
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
+from tests.load import GREEDY, LoadRequest, run_load
 from tests.reference import TINY, hf_greedy, hf_prompt_logprobs, random_prompt
 from tests.server import max_serve
 
 N_POSITIONS = TINY["n_positions"]
-GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +48,12 @@ def client(url: str) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-async def complete_concurrently(url: str, prompts: list[list[int]], max_tokens: int):
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
-        return await asyncio.gather(
-            *(
-                api.completions.create(model="gpt2", prompt=p, max_tokens=max_tokens, **GREEDY)
-                for p in prompts
-            )
-        )
+def complete_concurrently(url: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """Every prompt's greedy token ids, all requests in flight at once."""
+    requests = [LoadRequest(i, tuple(p), max_tokens, stream=False) for i, p in enumerate(prompts)]
+    report = run_load(url, requests, concurrency=len(requests))
+    assert report.failed == {}
+    return [report.completed[r.index] for r in requests]
 
 
 def token_ids(choice) -> list[int]:
@@ -66,9 +62,9 @@ def token_ids(choice) -> list[int]:
 
 def test_concurrent_requests_match_transformers(server, hf_models):
     prompts = [random_prompt(n, seed=n) for n in (1, 5, 17, 33, 64, 100, 150, 200)]
-    responses = asyncio.run(complete_concurrently(server, prompts, max_tokens=24))
-    for prompt, response in zip(prompts, responses, strict=True):
-        assert token_ids(response.choices[0]) == hf_greedy(hf_models("default"), prompt, 24)[0]
+    answers = complete_concurrently(server, prompts, max_tokens=24)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer == hf_greedy(hf_models("default"), prompt, 24)[0]
 
 
 def test_repeated_long_prompt_hits_the_prefix_cache(server, hf_models):
@@ -198,9 +194,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, bo
 
 def test_chunked_prefill_matches_transformers(chunking_server, hf_models):
     prompts = [random_prompt(n, seed=n) for n in (70, 130, 190, 250)]
-    responses = asyncio.run(complete_concurrently(chunking_server, prompts, max_tokens=6))
-    for prompt, response in zip(prompts, responses, strict=True):
-        assert token_ids(response.choices[0]) == hf_greedy(hf_models("default"), prompt, 6)[0]
+    answers = complete_concurrently(chunking_server, prompts, max_tokens=6)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer == hf_greedy(hf_models("default"), prompt, 6)[0]
 
 
 def test_echo_returns_the_prompt_logprobs(chunking_server, hf_models):
