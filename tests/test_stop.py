@@ -1,0 +1,30 @@
+"""The stop-string rule against a brute-force reading of the OpenAI semantics."""
+
+import random
+
+from gpt2_max.stop import StopScanner, cut_at_stop
+
+
+def expected(text: str, stops: list[str]) -> tuple[str, bool]:
+    for end in range(len(text) + 1):
+        for stop in stops:
+            if stop and text[:end].endswith(stop):
+                return text[: end - len(stop)], True
+    return text, False
+
+
+def test_cut_and_stream_agree_with_brute_force() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 20)))
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 4))]
+        want = expected(text, stops)
+        assert cut_at_stop(text, stops) == want
+        scanner, out, i = StopScanner(stops), "", 0
+        while i < len(text):
+            step = rng.randint(1, 4)
+            out += scanner.feed(text[i : i + step])
+            i += step
+        out += scanner.flush()
+        assert (out, scanner.stopped) == want, (text, stops)
