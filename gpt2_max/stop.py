@@ -1,4 +1,7 @@
-"""OpenAI `stop` semantics: the text ends just before the first occurrence of any stop string.
+"""OpenAI `stop` semantics: the text ends just before the first stop string it contains.
+
+Generation halts as soon as a stop string is complete, so "first" means the stop that
+completes first (ending earliest; of two ending together, the longer one).
 
 One rule, used by the server path and the in-process generator alike. A stream can only
 release text that cannot turn out to be the start of a stop string once more text arrives,
@@ -12,9 +15,9 @@ from dataclasses import dataclass, field
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index in `text` where the earliest stop string starts, or None."""
-    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(found) if found else None
+    """Index in `text` where the first stop string to complete starts, or None."""
+    found = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

@@ -7,9 +7,9 @@ from gpt2_max.stop import StopScanner, cut_at_stop
 
 def expected(text: str, stops: list[str]) -> tuple[str, bool]:
     for end in range(len(text) + 1):
-        for stop in stops:
-            if stop and text[:end].endswith(stop):
-                return text[: end - len(stop)], True
+        done = [len(stop) for stop in stops if stop and text[:end].endswith(stop)]
+        if done:
+            return text[: end - max(done)], True
     return text, False
 
 
