@@ -14,6 +14,7 @@ import pytest
 from max.pipelines import AutoModel
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from gpt2_max.generator import Generator
 from tests.reference import (
     TINY,
     random_hf_model,
@@ -91,3 +92,13 @@ def max_models() -> Iterator[Callable[[Path], AutoModel]]:
     yield get
     for model in cache.values():
         model.close()
+
+
+@pytest.fixture(scope="session")
+def generator(checkpoints: Callable[[str, str], Path]) -> Iterator[Generator]:
+    """One in-process generator on the default variant, for every generator test.
+
+    It shares the default variant's graph (and so its compile) with `max_models`.
+    """
+    with Generator(checkpoints("default", "hub"), max_batch_size=8) as loaded:
+        yield loaded
