@@ -432,8 +432,17 @@ class Generator:
             row.finish_reason = FINISH_REASONS[row.context.status]
         elif row.stops.stopped or (row.mask and row.mask.finished):
             row.finish_reason = "stop"
-        else:
-            if row.mask:
-                row.pending_forced = len(row.mask.fast_forward(row.context))
+        elif row.mask is None:
             return True
+        else:
+            forced = row.mask.fast_forward(row.context)
+            if not row.mask.finished:
+                row.pending_forced = len(forced)
+                return True
+            # The forced tokens complete the grammar: they need no step of their own.
+            row.tokens += forced
+            if row.logprobs is not None and row.top_logprobs is not None:
+                row.logprobs += [None] * len(forced)
+                row.top_logprobs += [{}] * len(forced)
+            row.finish_reason = "stop"
         return False
