@@ -124,12 +124,14 @@ class _OutputRecorder:
     def __init__(self, pipeline: Any) -> None:
         self._pipeline = pipeline
         self.outputs: dict[RequestID, Any] = {}
+        self.steps = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipeline, name)
 
     def execute(self, inputs: Any) -> Any:
         self.outputs = self._pipeline.execute(inputs)
+        self.steps += 1
         return self.outputs
 
 
@@ -281,6 +283,11 @@ class Generator:
         if best_of:
             completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
         return completions[:n]
+
+    @property
+    def model_steps(self) -> int:
+        """Model executions (batched steps) since loading, prefills included."""
+        return self._pipeline.steps
 
     def close(self) -> None:
         self._model.close()

@@ -132,7 +132,9 @@ def test_constrained_greedy_matches_transformers(generator, hf_models, name):
 
 def test_regex_and_lark_grammar(generator):
     pattern = r"[0-9]{3}-[a-z]{2,4}"
-    grammar = 'start: answer " because " reason\nanswer: "yes" | "no" | "maybe"\nreason: /[a-z]{1,6}/'
+    grammar = (
+        'start: answer " because " reason\nanswer: "yes" | "no" | "maybe"\nreason: /[a-z]{1,6}/'
+    )
     for seed in range(3):
         by_regex = generator.generate("Code:", 20, regex=pattern, temperature=1.0, seed=seed)
         assert re.fullmatch(pattern, by_regex.text), by_regex.text

@@ -100,7 +100,10 @@ def test_branches_share_one_prefill(generator, hf_models):
     prompt = random_prompt(300, seed=6)
     page = generator.page_size
     shared = (len(prompt) - 1) // page * page
+    before = generator.model_steps
     greedy = generator.branches(prompt, 3, NEW_TOKENS, ignore_eos=True)
+    # One prefill step, then one batched step per token advancing all branches.
+    assert generator.model_steps - before == 1 + NEW_TOKENS
     # Every branch found the prompt's full pages cached by the single prefill ...
     assert [b.cached_tokens for b in greedy] == [shared] * 3 and shared >= 256
     # ... and the shared pages hold exactly what a prefill of its own computes.
