@@ -36,7 +36,7 @@ def _json_schema(schema: str | dict[str, Any]) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
-            raise ValueError(f"json_schema is not valid JSON: {error}") from None
+            raise ValueError(f"not valid JSON: {error}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}.")
     return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
