@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -241,9 +242,15 @@ class Generator:
         string. Closing the iterator (or leaving a `for` loop early) cancels
         the request and frees its cache pages.
         """
+        # Validated here, so a bad request raises at the call, not at the first piece.
         (row,) = self._rows([prompt], max_new_tokens, Options.parse(options))
-        for _, piece in self._run([row]):
-            yield piece
+        return self._pieces(self._run([row]))
+
+    @staticmethod
+    def _pieces(run: Iterator[tuple[int, str]]) -> Iterator[str]:
+        with closing(run):  # closing the stream releases the row at once
+            for _, piece in run:
+                yield piece
 
     def branches(
         self,
@@ -274,7 +281,8 @@ class Generator:
             base,
             seeds=[base.seed + i * _ROW_SEED_STRIDE for i in range(count)],
         )
-        if count > 1:
+        # Only full pages are shared, so a prompt within one page is not worth a prefill.
+        if count > 1 and rows[0].context.tokens.prompt_length > self.page_size:
             self._prefill(prompt)
         for start in range(0, count, self.max_batch_size):
             for _ in self._run(rows[start : start + self.max_batch_size]):

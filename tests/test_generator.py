@@ -127,6 +127,7 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
     [
         (lambda g: g.generate(""), ValueError),
         (lambda g: g.generate([]), ValueError),
+        (lambda g: g.stream(""), ValueError),
         (lambda g: g.generate(random_prompt(g.window + 10, seed=1)), ValueError),
         (lambda g: g.generate("hi", tempreature=0.5), TypeError),
         (lambda g: g.generate("hi", json_schema='{"type": "object", '), ValueError),
