@@ -210,3 +210,17 @@ def test_echo_returns_the_prompt_logprobs(chunking_server, hf_models):
     # MAX reports prompt tokens 1..n-1 (token 0 has no context), then the new token.
     assert len(reported) == len(prompt)
     np.testing.assert_allclose(reported[:-1], expected, atol=1e-3)
+
+
+def test_seeded_sampling_matches_the_in_process_generator(server, generator):
+    """The same request with the same seed draws the same tokens in-process and served."""
+    prompt = random_prompt(12, seed=8)
+    for seed in (1, 2):
+        options = dict(temperature=1.0, top_p=0.9, seed=seed)
+        response = client(server).completions.create(
+            model="gpt2", prompt=prompt, max_tokens=16,
+            extra_body={"return_token_ids": True}, **options,
+        )
+        in_process = generator.generate(prompt, 16, **options)
+        assert token_ids(response.choices[0]) == in_process.token_ids
+        assert response.choices[0].text == in_process.text
