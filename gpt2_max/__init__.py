@@ -2,7 +2,7 @@
 
 MAX imports this package and registers every `SupportedArchitecture` in
 `ARCHITECTURES`; checkpoints whose config names `GPT2LMHeadModel` then run on
-`gpt2_max.model.GPT2Model`.
+`gpt2_max.model.GPT2PipelineModel`.
 """
 
 from .arch import gpt2_arch

@@ -19,6 +19,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from transformers import GPT2Config
 
+from .model_config import feed_forward_size, ties_word_embeddings
+
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
@@ -29,7 +31,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
     "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
 }
-"""The GPT-2 family's shapes; all share the 50257-token vocabulary and 1024 positions."""
+"""The GPT-2 family's shapes; all share the vocabulary and the 1024 positions."""
 
 
 def random_hub_state_dict(
@@ -37,7 +39,7 @@ def random_hub_state_dict(
 ) -> dict[str, np.ndarray]:
     """Random float32 weights for `config`, keyed and laid out as on the hub."""
     rng = np.random.default_rng(seed)
-    hidden, inner = config.n_embd, config.n_inner or 4 * config.n_embd
+    hidden, inner = config.n_embd, feed_forward_size(config)
 
     def normal(*shape: int) -> np.ndarray:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
@@ -68,7 +70,7 @@ def random_hub_state_dict(
             f"h.{i}.mlp.c_proj.weight": normal(inner, hidden),
             f"h.{i}.mlp.c_proj.bias": normal(hidden),
         }
-    if not config.tie_word_embeddings:
+    if not ties_word_embeddings(config):
         state["lm_head.weight"] = normal(config.vocab_size, hidden)
     return state
 

@@ -30,7 +30,7 @@ from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
-from .model_config import GPT2Config
+from .model_config import GPT2ArchConfig
 
 # Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
 # cache, and returns Q.
@@ -61,7 +61,7 @@ def activation(name: str, x: Tensor) -> Tensor:
 class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         self.kv_params = config.kv_params
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -99,7 +99,7 @@ class GPT2Attention(Module[..., Tensor]):
 class GPT2MLP(Module[[Tensor], Tensor]):
     """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
 
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2ArchConfig) -> None:
         self.activation = config.activation
         self.c_fc = Linear(config.hidden_size, config.feed_forward_size, bias=True)
         self.c_proj = Linear(config.feed_forward_size, config.hidden_size, bias=True)
@@ -111,7 +111,7 @@ class GPT2MLP(Module[[Tensor], Tensor]):
 class GPT2Block(Module[..., Tensor]):
     """Pre-LayerNorm transformer block with residual connections."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         eps = config.layer_norm_epsilon
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
@@ -128,7 +128,7 @@ class GPT2Block(Module[..., Tensor]):
 class GPT2(Module[..., ModuleV3Outputs]):
     """GPT-2 language model: embeddings, `n_layer` blocks, final norm, LM head."""
 
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2ArchConfig) -> None:
         self.config = config
         self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
         self.wpe = Embedding(config.max_positions, dim=config.hidden_size)

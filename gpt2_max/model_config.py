@@ -1,4 +1,4 @@
-"""GPT-2 architecture config: the Hugging Face `GPT2Config` fields that shape the graph.
+"""`GPT2ArchConfig`: the fields of a Hugging Face `GPT2Config` that shape the MAX graph.
 
 `initialize` runs before any weight is read or graph is built (memory planning
 calls it too), so an unsupported checkpoint is refused here, with a message that
@@ -26,7 +26,7 @@ from max.pipelines.modeling.config_enums import (
     SupportedEncoding,
     supported_encoding_dtype,
 )
-from transformers import AutoConfig
+from transformers import AutoConfig, GPT2Config
 from typing_extensions import Self, override
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
@@ -46,6 +46,20 @@ ACTIVATIONS: dict[str, str] = {
     "sigmoid": "sigmoid",
     "linear": "linear",
 }
+
+
+GPT2_VOCAB_SIZE: int = GPT2Config().vocab_size
+"""The vocabulary every GPT-2 family member and the vendored tokenizer share."""
+
+
+def feed_forward_size(hf_config: Any) -> int:
+    """The MLP's inner width: `n_inner`, or transformers' `4 * n_embd` when it is null."""
+    return getattr(hf_config, "n_inner", None) or 4 * hf_config.n_embd
+
+
+def ties_word_embeddings(hf_config: Any) -> bool:
+    """Whether the LM head reuses `wte`: transformers ties it unless told otherwise."""
+    return getattr(hf_config, "tie_word_embeddings", True)
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -94,8 +108,8 @@ def validate_huggingface_config(hf_config: Any) -> None:
 
 
 @dataclass(kw_only=True)
-class GPT2Config(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
-    """Everything the GPT-2 graph is built from."""
+class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
+    """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
     SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32"}
@@ -178,13 +192,13 @@ class GPT2Config(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             num_layers=hf.n_layer,
             num_heads=hf.n_head,
             head_dim=hf.n_embd // hf.n_head,
-            feed_forward_size=hf.n_inner or 4 * hf.n_embd,
+            feed_forward_size=feed_forward_size(hf),
             max_positions=hf.n_positions,
             layer_norm_epsilon=hf.layer_norm_epsilon,
             activation=ACTIVATIONS[hf.activation_function],
             scale_attn_weights=hf.scale_attn_weights,
             scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
-            tie_word_embeddings=getattr(hf, "tie_word_embeddings", True),
+            tie_word_embeddings=ties_word_embeddings(hf),
             max_seq_len=max_seq_len,
             dtype=supported_encoding_dtype(encoding),
             devices=devices,

@@ -38,7 +38,7 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 
-class GPT2Tokenizer(TextTokenizer):
+class GPT2TextTokenizer(TextTokenizer):
     """`TextTokenizer` that validates token ids and renders chats without a template."""
 
     def __init__(

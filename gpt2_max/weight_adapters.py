@@ -26,6 +26,8 @@ import numpy as np
 from max.dtype import DType
 from max.graph.weights import WeightData, Weights
 
+from .model_config import feed_forward_size, ties_word_embeddings
+
 CONV1D_WEIGHTS = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 """Weights stored by transformers' `Conv1D` as `[in_features, out_features]`."""
 
@@ -40,7 +42,7 @@ class CheckpointError(ValueError):
 def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """Every parameter `gpt2.GPT2` needs, in MAX's `[out, in]` layout."""
     hidden, vocab = hf_config.n_embd, hf_config.vocab_size
-    inner = hf_config.n_inner or 4 * hidden
+    inner = feed_forward_size(hf_config)
     shapes: dict[str, tuple[int, ...]] = {
         "wte.weight": (vocab, hidden),
         "wpe.weight": (hf_config.n_positions, hidden),
@@ -63,7 +65,7 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
             "mlp.c_proj.bias": (hidden,),
         }.items():
             shapes[f"h.{i}.{name}"] = shape
-    if not getattr(hf_config, "tie_word_embeddings", True):
+    if not ties_word_embeddings(hf_config):
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
 

@@ -18,6 +18,7 @@ import psutil
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from tests.reference import hf_greedy
 from tests.server import MODEL_NAME
 
@@ -60,7 +61,7 @@ def plan_requests(
     """
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_prompt + 1, distinct_prompts)
-    prompts = [tuple(rng.integers(0, 50257, n).tolist()) for n in lengths]
+    prompts = [tuple(rng.integers(0, GPT2_VOCAB_SIZE, n).tolist()) for n in lengths]
     requests = []
     for i in range(count):
         prompt = prompts[i % distinct_prompts]

@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.checkpoint import copy_tokenizer
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
 """A GPT-2 small enough to compile and run quickly, with the real vocabulary."""
@@ -93,4 +94,4 @@ def hf_prompt_logprobs(model: GPT2LMHeadModel, prompt: list[int]) -> list[float]
 
 def random_prompt(length: int, seed: int) -> list[int]:
     """`length` token ids drawn uniformly from GPT-2's vocabulary."""
-    return np.random.default_rng(seed).integers(0, 50257, length).tolist()
+    return np.random.default_rng(seed).integers(0, GPT2_VOCAB_SIZE, length).tolist()

@@ -11,11 +11,9 @@ from transformers import GPT2Config
 
 from gpt2_max.model_config import (
     ACTIVATIONS,
+    GPT2ArchConfig,
     UnsupportedCheckpointError,
     validate_huggingface_config,
-)
-from gpt2_max.model_config import (
-    GPT2Config as GPT2ArchConfig,
 )
 from tests.reference import TINY
 

@@ -14,6 +14,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
 from tests.load import GREEDY, LoadRequest, run_load
 from tests.reference import TINY, hf_greedy, hf_prompt_logprobs, random_prompt
@@ -161,7 +162,10 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
     "body, message",
     [
         (dict(prompt=list(range(N_POSITIONS + 1))), "Prompt is too long"),
-        (dict(prompt=[15496, 995, 50257]), "token id 50257 at position 2 is outside"),
+        (
+            dict(prompt=[15496, 995, GPT2_VOCAB_SIZE]),
+            f"token id {GPT2_VOCAB_SIZE} at position 2 is outside",
+        ),
         (dict(prompt=[15496, -1]), "token id -1 at position 1 is outside"),
         (dict(prompt="Hi", echo=True, logprobs=1), "start the server with --enable-echo"),
         (dict(prompt="Hi", max_tokens="many"), ""),
