@@ -23,7 +23,6 @@ from max.experimental.nn.common_layers.functional_kernels import (
 from max.experimental.nn.norm import LayerNorm
 from max.experimental.nn.sequential import ModuleList
 from max.experimental.tensor import Tensor
-from max.graph import ops
 from max.nn import kernels
 from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
@@ -145,11 +144,13 @@ class GPT2(Module[..., ModuleV3Outputs]):
         )
 
     def logits(self, h: Tensor) -> Tensor:
-        """Final LayerNorm and LM head for the rows of `h`."""
+        """Final LayerNorm and LM head for the rows of `h`; ids the tokenizer lacks get -inf."""
         h = self.ln_f(h)
-        if self.lm_head is None:
-            return h @ self.wte.weight.T
-        return self.lm_head(h)
+        logits = h @ self.wte.weight.T if self.lm_head is None else self.lm_head(h)
+        if self.config.usable_vocab_size < self.config.vocab_size:
+            ids = F.arange(0, self.config.vocab_size, dtype=DType.int64, device=logits.device)
+            logits = F.where(ids < self.config.usable_vocab_size, logits, float("-inf"))
+        return logits
 
     def forward(
         self,
@@ -177,22 +178,5 @@ class GPT2(Module[..., ModuleV3Outputs]):
                 next_token_logits=next_token_logits,
                 logits=self.logits(h),
                 logit_offsets=input_row_offsets,
-            )
-        if mode == ReturnLogits.VARIABLE:
-            # The last `return_n_logits` rows of every sequence, in order.
-            n = return_n_logits[0]
-            back = ops.range(
-                n, 0, -1, out_dim="return_n_logits_range",
-                device=h.device, dtype=DType.int64,
-            )
-            rows = F.reshape(F.unsqueeze(input_row_offsets[1:], -1) - back, [-1])
-            offsets = ops.range(
-                0, rows.shape[0] + n, n, out_dim="logit_offsets",
-                device=h.device, dtype=DType.int64,
-            )
-            return ModuleV3Outputs(
-                next_token_logits=next_token_logits,
-                logits=self.logits(F.gather(h, rows, axis=0)),
-                logit_offsets=offsets,
             )
         return ModuleV3Outputs(next_token_logits=next_token_logits)

@@ -7,6 +7,7 @@ names the field, instead of failing somewhere inside compilation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,8 +27,10 @@ from max.pipelines.modeling.config_enums import (
     SupportedEncoding,
     supported_encoding_dtype,
 )
-from transformers import AutoConfig, GPT2Config
+from transformers import AutoConfig, AutoTokenizer, GPT2Config
 from typing_extensions import Self, override
+
+from .weight_files import check_complete
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
 #: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
@@ -60,6 +63,26 @@ def feed_forward_size(hf_config: Any) -> int:
 def ties_word_embeddings(hf_config: Any) -> bool:
     """Whether the LM head reuses `wte`: transformers ties it unless told otherwise."""
     return getattr(hf_config, "tie_word_embeddings", True)
+
+
+def usable_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int) -> int:
+    """The token ids both the embedding table and the tokenizer know.
+
+    Fine-tunes often pad the embedding matrix past the tokenizer's vocabulary;
+    those rows can be neither typed in nor decoded, so they are refused as input
+    and never sampled.
+    """
+    return min(model_vocab_size, tokenizer_vocab_size)
+
+
+@functools.cache
+def tokenizer_vocab_size(model_path: str, revision: str | None, trust_remote_code: bool) -> int:
+    """`len()` of the tokenizer MAX loads for `model_path` (cached: config init runs often)."""
+    return len(
+        AutoTokenizer.from_pretrained(
+            model_path, revision=revision, trust_remote_code=trust_remote_code
+        )
+    )
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -115,6 +138,8 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32"}
 
     vocab_size: int
+    usable_vocab_size: int
+    """Logits past this id (embedding rows the tokenizer lacks) are masked."""
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -176,18 +201,24 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
         max_seq_len: int,
     ) -> Self:
         model_config = model_config or pipeline_config.model
+        # MAX itself refuses a checkpoint without config.json, naming the folder.
         hf = model_config.huggingface_config
-        if hf is None:
-            raise UnsupportedCheckpointError(
-                f"No config.json could be read for '{model_config.model_path}'."
-            )
         validate_huggingface_config(hf)
+        check_complete(model_config.resolved_weight_paths())
         encoding = _select_quantization_encoding(model_config, cls.DEFAULT_ENCODING)
         devices = [
             DeviceRef(spec.device_type, spec.id) for spec in model_config.device_specs
         ]
         return cls(
             vocab_size=hf.vocab_size,
+            usable_vocab_size=usable_vocab_size(
+                hf.vocab_size,
+                tokenizer_vocab_size(
+                    model_config.model_path,
+                    model_config.huggingface_model_revision,
+                    model_config.trust_remote_code,
+                ),
+            ),
             hidden_size=hf.n_embd,
             num_layers=hf.n_layer,
             num_heads=hf.n_head,

@@ -14,7 +14,7 @@ from gpt2_max.checkpoint import (
     write_checkpoint,
 )
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
-from tests.reference import TINY
+from gpt2_max.testing.reference import TINY
 
 
 def test_written_checkpoint_loads_in_transformers_with_every_weight(tmp_path):
