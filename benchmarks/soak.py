@@ -2,7 +2,7 @@
 
     python benchmarks/soak.py --requests 500 --concurrency 32 --cancel 50
 
-Writes a tiny random GPT-2 (1024 positions) with transformers, serves it on
+Writes a tiny random GPT-2 with `gpt2_max.testing`, serves it on
 127.0.0.1, sends `--requests` greedy completions (prompts of 1-900 tokens,
 max_tokens up to past the context window, half streaming, `--cancel` of the
 streams hung up after their first token), and checks every completed answer

@@ -19,7 +19,8 @@ from gpt2_max.testing.reference import hf_greedy, random_prompt
 from tests.conftest import LAYOUTS, PADDED_VOCAB_SIZE, VARIANTS
 
 NEW_TOKENS = 32
-LOGITS_ATOL = 1e-3
+LOGITS_ATOL = 1e-4
+"""About three times the largest difference measured over these cases (README)."""
 
 CASES = [(variant, layout) for variant in VARIANTS for layout in LAYOUTS]
 """Every (variant, layout); its index seeds its prompts, so no two share one."""

@@ -20,7 +20,8 @@ from gpt2_max.testing.server import MODEL_NAME, max_serve
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
 
 N_POSITIONS = TINY["n_positions"]
-LOGPROBS_ATOL = 1e-3
+LOGPROBS_ATOL = 1e-4
+"""About ten times the largest difference measured in these tests (README)."""
 
 
 @pytest.fixture(scope="module")
