@@ -20,6 +20,7 @@ from gpt2_max.checkpoint import save_hub_checkpoint
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from gpt2_max.testing.reference import (
     TINY,
+    Reference,
     load_reference,
     random_state_dict,
     save_transformers_layout,
@@ -78,9 +79,11 @@ def checkpoints(
 
 
 @pytest.fixture(scope="session")
-def hf_models(checkpoints: Callable[[str, str], Path]) -> Callable[[str], GPT2LMHeadModel]:
+def hf_models(
+    checkpoints: Callable[[str, str], Path], gpt2_max_reference: Reference
+) -> Callable[[str], GPT2LMHeadModel]:
     """The reference model of a variant: transformers reading its hub checkpoint."""
-    cache: dict[str, GPT2LMHeadModel] = {}
+    cache: dict[str, GPT2LMHeadModel] = {"default": gpt2_max_reference.model}
 
     def get(variant: str) -> GPT2LMHeadModel:
         if variant not in cache:
