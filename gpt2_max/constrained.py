@@ -94,9 +94,12 @@ class GrammarMask:
     def __call__(self, inputs: ProcessorInputs) -> None:
         """Sets every token the grammar forbids to -inf before MAX samples."""
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
         logits = inputs.logits.to_numpy()
-        logits[:, allowed[: logits.shape[1]] == 0] = -np.inf
+        # Rows past the tokenizer (a padded embedding table) are never allowed.
+        allowed = np.zeros(logits.shape[1], dtype=bool)
+        known = min(logits.shape[1], self.vocab_size)
+        allowed[:known] = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:known]
+        logits[:, ~allowed] = -np.inf
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
