@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -43,6 +44,13 @@ class Server:
     """Base URL, `http://127.0.0.1:PORT`."""
     pid: int
     """The `max serve` process; its children are the model worker and friends."""
+    log: Path
+    """Its stdout and stderr."""
+
+    def kv_cache_bytes(self) -> float:
+        """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""
+        value, unit = re.findall(r"cache_memory: ([\d.]+) (\w+)", self.log.read_text())[-1]
+        return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
 
 
 @contextmanager
@@ -88,7 +96,7 @@ def max_serve(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        yield Server(url=url, pid=process.pid)
+        yield Server(url=url, pid=process.pid, log=log)
     finally:
         process.terminate()
         try:
