@@ -94,3 +94,17 @@ def hf_prompt_logprobs(model: GPT2LMHeadModel, prompt: list[int]) -> list[float]
 def random_prompt(length: int, seed: int) -> list[int]:
     """`length` token ids drawn uniformly from GPT-2's vocabulary."""
     return np.random.default_rng(seed).integers(0, 50257, length).tolist()
+
+
+def stopped_text(text: str, stops: list[str]) -> tuple[str, bool]:
+    """OpenAI `stop`, read literally: generation halts once the text ends in a stop string.
+
+    Brute force, character by character, independent of `gpt2_max.stop`: the
+    text before the first stop to complete (the longer of two that complete
+    together), and whether one did.
+    """
+    for end in range(len(text) + 1):
+        done = [len(stop) for stop in stops if stop and text[:end].endswith(stop)]
+        if done:
+            return text[: end - max(done)], True
+    return text, False
