@@ -17,7 +17,8 @@ prompts in the same run, idle server beside it, and every MAX output is checked
 against its greedy tokens: exact, or diverging only at a near-tie (top two HF
 logits within 0.01, where float32 summation order decides), or a MISMATCH.
 Results are medians over `--repeat` runs, printed as a table and written as
-JSON to `benchmarks/results/`.
+JSON to `benchmarks/results/`; the checkpoint is kept in the user's cache
+folder and the server logs and cold-start compile cache go to a temporary one.
 Shared, noisy machines: read the ratios to HF, not the absolute numbers.
 """
 
@@ -29,7 +30,7 @@ import json
 import os
 import shutil
 import statistics
-import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,14 +41,15 @@ import torch
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpt2_max.checkpoint import preset_config, write_checkpoint  # noqa: E402
-from tests.load import GREEDY, tree_rss  # noqa: E402
-from tests.reference import hf_greedy, random_prompt  # noqa: E402
-from tests.server import MODEL_NAME, max_serve  # noqa: E402
+from gpt2_max.checkpoint import preset_config, write_checkpoint
+from gpt2_max.testing.load import GREEDY
+from gpt2_max.testing.reference import hf_greedy, random_prompt
+from gpt2_max.testing.server import MODEL_NAME, max_serve, tree_rss
 
 RESULTS = Path(__file__).parent / "results"
+"""The reports, and nothing else."""
+CHECKPOINTS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-max"
+"""Random-weight checkpoints, written once per preset and reused by later runs."""
 NEW_TOKENS = 128
 NEAR_TIE = 0.01
 """A greedy choice whose top-two HF logits differ by less than this is a coin toss
@@ -246,21 +248,22 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    checkpoint = RESULTS / f"checkpoint-{args.preset}"
+    scratch = Path(tempfile.mkdtemp(prefix="gpt2-max-bench-"))
+    checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
     hf = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
     serve_args = ["--max-batch-size", "32"]
 
     startup: dict[str, float] = {}
-    cold_cache = RESULTS / "cold-cache"
-    shutil.rmtree(cold_cache, ignore_errors=True)  # so the first start compiles from nothing
+    cold_cache = scratch / "cold-cache"  # empty, so the first start compiles from nothing
     for label, env in (("cold_s", {"XDG_CACHE_HOME": str(cold_cache)}), ("warm_s", {})):
         start = time.perf_counter()
-        with max_serve(checkpoint, *serve_args, log=RESULTS / f"server-{label}.log",
+        with max_serve(checkpoint, *serve_args, log=scratch / f"server-{label}.log",
                        devices=args.devices, env=env):
             startup[label] = time.perf_counter() - start
-    with max_serve(checkpoint, *serve_args, log=RESULTS / "server.log",
+    shutil.rmtree(cold_cache, ignore_errors=True)
+    with max_serve(checkpoint, *serve_args, log=scratch / "server.log",
                    devices=args.devices) as server:
         url = server.url
         rss = PeakRss(server.pid)
@@ -276,7 +279,7 @@ def main() -> None:
     }
     out = RESULTS / f"bench-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {out}; server logs in {scratch}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ from max.pipelines.modeling.types import PipelineTask
 from . import weight_adapters
 from .batch_processor import GPT2BatchProcessor
 from .memory_planner import TokenBudgetMemoryPlanner
-from .model import GPT2Model
-from .model_config import GPT2Config
-from .tokenizer import GPT2Tokenizer
+from .model import GPT2PipelineModel
+from .model_config import GPT2ArchConfig
+from .tokenizer import GPT2TextTokenizer
 
 gpt2_arch = SupportedArchitecture(
     name="GPT2LMHeadModel",
@@ -21,17 +21,17 @@ gpt2_arch = SupportedArchitecture(
         "openai-community/gpt2-large",
         "openai-community/gpt2-xl",
     ],
-    default_encoding=GPT2Config.DEFAULT_ENCODING,
-    supported_encodings=GPT2Config.SUPPORTED_ENCODINGS,
-    pipeline_model=GPT2Model,
-    tokenizer=GPT2Tokenizer,
+    default_encoding=GPT2ArchConfig.DEFAULT_ENCODING,
+    supported_encodings=GPT2ArchConfig.SUPPORTED_ENCODINGS,
+    pipeline_model=GPT2PipelineModel,
+    tokenizer=GPT2TextTokenizer,
     context_type=TextContext,
     default_weights_format=WeightsFormat.safetensors,
     weight_adapters={
         WeightsFormat.safetensors: weight_adapters.convert_safetensor_state_dict,
     },
     task=PipelineTask.TEXT_GENERATION,
-    config=GPT2Config,
+    config=GPT2ArchConfig,
     batching=GPT2BatchProcessor,
     memory_planner=TokenBudgetMemoryPlanner,
     multi_gpu_supported=False,

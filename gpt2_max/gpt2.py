@@ -23,14 +23,13 @@ from max.experimental.nn.common_layers.functional_kernels import (
 from max.experimental.nn.norm import LayerNorm
 from max.experimental.nn.sequential import ModuleList
 from max.experimental.tensor import Tensor
-from max.graph import ops
 from max.nn import kernels
 from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
-from .model_config import GPT2Config
+from .model_config import GPT2ArchConfig
 
 # Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
 # cache, and returns Q.
@@ -61,7 +60,7 @@ def activation(name: str, x: Tensor) -> Tensor:
 class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         self.kv_params = config.kv_params
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -99,7 +98,7 @@ class GPT2Attention(Module[..., Tensor]):
 class GPT2MLP(Module[[Tensor], Tensor]):
     """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
 
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2ArchConfig) -> None:
         self.activation = config.activation
         self.c_fc = Linear(config.hidden_size, config.feed_forward_size, bias=True)
         self.c_proj = Linear(config.feed_forward_size, config.hidden_size, bias=True)
@@ -111,7 +110,7 @@ class GPT2MLP(Module[[Tensor], Tensor]):
 class GPT2Block(Module[..., Tensor]):
     """Pre-LayerNorm transformer block with residual connections."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         eps = config.layer_norm_epsilon
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
@@ -128,7 +127,7 @@ class GPT2Block(Module[..., Tensor]):
 class GPT2(Module[..., ModuleV3Outputs]):
     """GPT-2 language model: embeddings, `n_layer` blocks, final norm, LM head."""
 
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2ArchConfig) -> None:
         self.config = config
         self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
         self.wpe = Embedding(config.max_positions, dim=config.hidden_size)
@@ -145,11 +144,13 @@ class GPT2(Module[..., ModuleV3Outputs]):
         )
 
     def logits(self, h: Tensor) -> Tensor:
-        """Final LayerNorm and LM head for the rows of `h`."""
+        """Final LayerNorm and LM head for the rows of `h`; ids the tokenizer lacks get -inf."""
         h = self.ln_f(h)
-        if self.lm_head is None:
-            return h @ self.wte.weight.T
-        return self.lm_head(h)
+        logits = h @ self.wte.weight.T if self.lm_head is None else self.lm_head(h)
+        if self.config.usable_vocab_size < self.config.vocab_size:
+            ids = F.arange(0, self.config.vocab_size, dtype=DType.int64, device=logits.device)
+            logits = F.where(ids < self.config.usable_vocab_size, logits, float("-inf"))
+        return logits
 
     def forward(
         self,
@@ -177,22 +178,5 @@ class GPT2(Module[..., ModuleV3Outputs]):
                 next_token_logits=next_token_logits,
                 logits=self.logits(h),
                 logit_offsets=input_row_offsets,
-            )
-        if mode == ReturnLogits.VARIABLE:
-            # The last `return_n_logits` rows of every sequence, in order.
-            n = return_n_logits[0]
-            back = ops.range(
-                n, 0, -1, out_dim="return_n_logits_range",
-                device=h.device, dtype=DType.int64,
-            )
-            rows = F.reshape(F.unsqueeze(input_row_offsets[1:], -1) - back, [-1])
-            offsets = ops.range(
-                0, rows.shape[0] + n, n, out_dim="logit_offsets",
-                device=h.device, dtype=DType.int64,
-            )
-            return ModuleV3Outputs(
-                next_token_logits=next_token_logits,
-                logits=self.logits(F.gather(h, rows, axis=0)),
-                logit_offsets=offsets,
             )
         return ModuleV3Outputs(next_token_logits=next_token_logits)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.load import LoadRequest, expected_tokens, plan_requests, run_load, tree_rss
-from tests.reference import TINY, random_prompt
-from tests.server import max_serve, serve_command
+from gpt2_max.testing.load import LoadRequest, expected_tokens, plan_requests, run_load
+from gpt2_max.testing.reference import TINY, random_prompt
+from gpt2_max.testing.server import max_serve, serve_command, tree_rss
 
 pytestmark = pytest.mark.slow
 
@@ -92,13 +92,16 @@ def break_checkpoint(source: Path, target: Path, how: str) -> Path:
     elif how == "pickle-only":
         weights.rename(target / "pytorch_model.bin")
     (target / "config.json").write_text(json.dumps(config))
+    if how == "missing-config":
+        (target / "config.json").unlink()
     return target
 
 
 @pytest.mark.parametrize(
     "how, message",
     [
-        ("truncated-file", "safetensors"),
+        ("truncated-file", "IncompleteCheckpointError: model.safetensors is truncated"),
+        ("missing-config", "No config.json"),
         ("missing-tensor", "missing 1 tensor(s), first 'h.1.attn.c_proj.weight'"),
         ("wrong-shape", "'ln_f.bias' has shape (7,); the config implies (64,)"),
         ("wrong-dtype", "'wte.weight' has dtype int32"),

@@ -3,7 +3,7 @@
 import random
 
 from gpt2_max.stop import StopScanner, cut_at_stop
-from tests.reference import stopped_text
+from gpt2_max.testing.reference import stopped_text
 
 
 def test_cut_and_stream_agree_with_brute_force() -> None:

@@ -8,7 +8,7 @@ from max.serve.pipelines.llm import TokenGeneratorOutput
 
 from gpt2_max.stop import StopScanner
 from gpt2_max.stop_serving import cut_at_stops, needed
-from tests.reference import stopped_text
+from gpt2_max.testing.reference import stopped_text
 
 
 async def chunks_of(pieces: list[str], last: GenerationStatus, read: list[str]):

@@ -1,9 +1,15 @@
-"""Runs `max serve` with the gpt2_max plugin on loopback for end-to-end tests."""
+"""Runs `max serve` with the gpt2_max plugin on loopback, and stops all of it again.
+
+`max serve` is a process tree (API server, model worker, metrics), so it is
+started as the leader of its own process group and stopped as a group: a test
+or benchmark that ends leaves no worker behind holding memory or a port.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,14 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 MODEL_NAME = "gpt2"
-"""What requests name in `model`."""
+"""What requests name in `model`: servers started here are `--served-model-name` it."""
 
-STARTUP_TIMEOUT_S = 900  # A cold compile of a new graph takes minutes on 2 cores.
+STARTUP_TIMEOUT_S = 900
+"""Long enough for a cold graph compile on a small shared CPU."""
+
+STOP_TIMEOUT_S = 30
+"""How long the group gets to exit after SIGTERM before it is killed."""
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -38,6 +50,40 @@ def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
     ]
 
 
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the group `process` leads, SIGKILL if it lingers; returns once all are gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        # The leader may exit before its children: wait for the whole group.
+        while _group_alive(process) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(process):
+            break
+    process.wait()
+
+
+def _group_alive(leader: subprocess.Popen) -> bool:
+    """Whether any process of `leader`'s group still runs (zombies do not count)."""
+    leader.poll()
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == leader.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of a process and all its descendants, in bytes."""
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
 @dataclass
 class Server:
     url: str
@@ -46,6 +92,8 @@ class Server:
     """The `max serve` process; its children are the model worker and friends."""
     log: Path
     """Its stdout and stderr."""
+    model: str = MODEL_NAME
+    """The name requests give in `model`."""
 
     def kv_cache_bytes(self) -> float:
         """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""
@@ -61,7 +109,10 @@ def max_serve(
     devices: str = "cpu",
     env: dict[str, str] | None = None,
 ) -> Iterator[Server]:
-    """Starts `max serve` for `model`, yields it once it answers, stops it."""
+    """Starts `max serve` for `model` on a free port, yields it once it answers, stops it.
+
+    `args` are further `max serve` flags; the server's output goes to `log`.
+    """
     port = free_port()
     env = {
         **os.environ,
@@ -98,9 +149,4 @@ def max_serve(
             time.sleep(1)
         yield Server(url=url, pid=process.pid, log=log)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
+        stop_process_group(process)
