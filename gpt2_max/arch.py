@@ -2,12 +2,12 @@
 
 from max.graph.weights import WeightsFormat
 from max.pipelines.context import TextContext
-from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.modeling.types import PipelineTask
 
 from . import weight_adapters
 from .batch_processor import GPT2BatchProcessor
+from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
 from .model_config import GPT2ArchConfig
 from .tokenizer import GPT2TextTokenizer
@@ -33,7 +33,7 @@ gpt2_arch = SupportedArchitecture(
     task=PipelineTask.TEXT_GENERATION,
     config=GPT2ArchConfig,
     batching=GPT2BatchProcessor,
-    memory_planner=PagedMemoryPlanner,
+    memory_planner=TokenBudgetMemoryPlanner,
     multi_gpu_supported=False,
     supports_overlap_scheduler=False,
     supports_device_graph_capture=False,

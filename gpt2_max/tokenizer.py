@@ -13,6 +13,10 @@ as plain `Role: content` lines ending in `Assistant:`, which a base model can
 continue. It is used only for chat requests: completions and `max generate`
 still see a template-less tokenizer and send the raw prompt. A template in the
 checkpoint or `--chat-template` takes precedence.
+
+Building the tokenizer also makes `stop` strings exact under `max serve` on MAX
+releases that need it (`gpt2_max.stop_serving`): the serving layer builds the
+tokenizer before its pipeline, and the fix applies to this tokenizer's requests.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from max.pipelines.modeling.types import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from . import stop_serving
 from .model_config import usable_vocab_size
 
 PLAIN_CHAT_TEMPLATE = (
@@ -51,6 +56,7 @@ class GPT2TextTokenizer(TextTokenizer):
             pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
         )
         self.echo_enabled = pipeline_config.model.enable_echo
+        stop_serving.install(GPT2TextTokenizer)
 
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
         if request.echo and request.logprobs and not self.echo_enabled:

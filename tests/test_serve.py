@@ -7,6 +7,9 @@ transformers' greedy decode of the same prompt.
 
 from __future__ import annotations
 
+import random
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import numpy as np
 import pytest
@@ -15,7 +18,13 @@ from transformers import AutoTokenizer
 
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from gpt2_max.testing.load import GREEDY, LoadRequest, run_load
-from gpt2_max.testing.reference import TINY, hf_greedy, hf_prompt_logprobs, random_prompt
+from gpt2_max.testing.reference import (
+    TINY,
+    hf_greedy,
+    hf_prompt_logprobs,
+    random_prompt,
+    stopped_text,
+)
 from gpt2_max.testing.server import MODEL_NAME, max_serve
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
 
@@ -134,6 +143,81 @@ def test_stop_token_ends_generation_at_it(server, hf_models):
     )
     assert response.choices[0].finish_reason == "stop"
     assert token_ids(response.choices[0]) == tokens[: tokens.index(tokens[5]) + 1]
+
+
+STOP_TOKENS = 24
+
+
+def random_stops(
+    rng: random.Random, text: str, offsets: list[int], occurring: bool
+) -> list[str]:
+    """1-4 stop strings: a token's text, a run of tokens, one starting inside a token,
+    and strings the text never contains (only those, unless `occurring`)."""
+    def piece(first: int, count: int, skip: int = 0) -> str:
+        return text[offsets[first] + skip : offsets[min(first + count, STOP_TOKENS)]]
+
+    def one() -> str:
+        kind, first = rng.randrange(4) if occurring else 3, rng.randrange(STOP_TOKENS - 3)
+        candidates = [
+            piece(first, 1),
+            piece(first, rng.randint(2, 3)),
+            piece(first, 2, skip=1),
+            "".join(rng.choice("xyz#~") for _ in range(rng.randint(1, 6))) + "\x07",
+        ]
+        return candidates[kind] or candidates[1]
+
+    return [one() for _ in range(rng.randint(1, 4))]
+
+
+def stop_request(api: OpenAI, kind: str, prompt, stops: list[str]) -> tuple[str, str]:
+    """The text and finish reason of one greedy request with `stops`, as the client sees them."""
+    common = dict(model=MODEL_NAME, max_tokens=STOP_TOKENS, stop=stops, **GREEDY)
+    chat, stream = kind.startswith("chat"), kind.endswith("stream")
+    if chat:
+        response = api.chat.completions.create(messages=prompt, stream=stream, **common)
+    else:
+        response = api.completions.create(prompt=prompt, stream=stream, **common)
+    if not stream:
+        choice = response.choices[0]
+        return (choice.message.content if chat else choice.text), choice.finish_reason
+    text, finish = "", None
+    for chunk in response:
+        for choice in chunk.choices:
+            text += (choice.delta.content if chat else choice.text) or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+def test_stop_strings_cut_the_text_exactly(server, hf_models, checkpoints):
+    """56 greedy requests with random stops, completions and chat, streamed and not."""
+    rng = random.Random(2024)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints("default", "hub"))
+    cases = []
+    for i in range(56):
+        kind = ["completion", "completion-stream", "chat", "chat-stream"][i % 4]
+        if kind.startswith("chat"):
+            prompt = [{"role": "user", "content": f"Tell me about item {i}."}]
+            ids = tokenizer.encode(tokenizer.apply_chat_template(
+                prompt, chat_template=PLAIN_CHAT_TEMPLATE, add_generation_prompt=True,
+                tokenize=False,
+            ))
+        else:
+            prompt = ids = random_prompt(12, seed=500 + i)
+        tokens = hf_greedy(hf_models("default"), ids, STOP_TOKENS)[0]
+        text = tokenizer.decode(tokens)
+        offsets = [len(tokenizer.decode(tokens[:n])) for n in range(STOP_TOKENS + 1)]
+        stops = random_stops(rng, text, offsets, occurring=i % 5 != 4)
+        cases.append((kind, prompt, stops, stopped_text(text, stops)))
+    api = client(server)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda c: stop_request(api, *c[:3]), cases))
+    wrong = [
+        (kind, stops, answer, (want, "stop" if stopped else "length"))
+        for (kind, _, stops, (want, stopped)), answer in zip(cases, answers, strict=True)
+        if answer != (want, "stop" if stopped else "length")
+    ]
+    assert wrong == []
+    assert 28 <= sum(stopped for *_, (_, stopped) in cases) <= 56 - 8
 
 
 def test_same_seed_samples_the_same_tokens(server):

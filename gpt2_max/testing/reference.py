@@ -107,3 +107,17 @@ class Reference:
         tokens, logits = hf_greedy(self.model, prompt, new_tokens)
         logprobs = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
         return [float(logprobs[step, token]) for step, token in enumerate(tokens)]
+
+
+def stopped_text(text: str, stops: list[str]) -> tuple[str, bool]:
+    """OpenAI `stop`, read literally: generation halts once the text ends in a stop string.
+
+    Brute force, character by character, independent of `gpt2_max.stop`: the
+    text before the first stop to complete (the longer of two that complete
+    together), and whether one did.
+    """
+    for end in range(len(text) + 1):
+        done = [len(stop) for stop in stops if stop and text[:end].endswith(stop)]
+        if done:
+            return text[: end - max(done)], True
+    return text, False

@@ -8,6 +8,7 @@ or benchmark that ends leaves no worker behind holding memory or a port.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -89,8 +90,15 @@ class Server:
     """Base URL, `http://127.0.0.1:PORT`."""
     pid: int
     """The `max serve` process; its children are the model worker and friends."""
+    log: Path
+    """Its stdout and stderr."""
     model: str = MODEL_NAME
     """The name requests give in `model`."""
+
+    def kv_cache_bytes(self) -> float:
+        """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""
+        value, unit = re.findall(r"cache_memory: ([\d.]+) (\w+)", self.log.read_text())[-1]
+        return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
 
 
 @contextmanager
@@ -139,6 +147,6 @@ def max_serve(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
             time.sleep(1)
-        yield Server(url=url, pid=process.pid)
+        yield Server(url=url, pid=process.pid, log=log)
     finally:
         stop_process_group(process)
