@@ -12,11 +12,13 @@ values into the cache and attends over everything cached for the sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from max import tree
 from max.driver import CPU
 from max.dtype import DType
 from max.experimental import functional as F
-from max.experimental.nn import Embedding, Linear, Module
+from max.experimental.nn import Embedding, Module
 from max.experimental.nn.common_layers.functional_kernels import (
     flash_attention_ragged,
 )
@@ -29,32 +31,29 @@ from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
+from .linear import SkinnyLinear, project
 from .model_config import GPT2ArchConfig
 
-# Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
-# cache, and returns Q.
-fused_qkv_ragged_matmul = F.functional(kernels.fused_qkv_ragged_matmul)
+# Write one layer's new keys / values (`[tokens, heads, head_dim]`) into the paged cache.
+store_k_cache_ragged = F.functional(kernels.store_k_cache_ragged)
+store_v_cache_ragged = F.functional(kernels.store_v_cache_ragged)
+
+ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "quick_gelu": lambda x: x * F.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "silu": F.silu,
+    "tanh": F.tanh,
+    "sigmoid": F.sigmoid,
+    "linear": lambda x: x,
+}
+"""The MLP nonlinearity by the canonical name `model_config.ACTIVATIONS` maps to."""
 
 
 def activation(name: str, x: Tensor) -> Tensor:
-    """The MLP nonlinearity, as transformers computes it for each config name."""
-    if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu(x)
-    if name == "quick_gelu":
-        return x * F.sigmoid(1.702 * x)
-    if name == "relu":
-        return F.relu(x)
-    if name == "silu":
-        return F.silu(x)
-    if name == "tanh":
-        return F.tanh(x)
-    if name == "sigmoid":
-        return F.sigmoid(x)
-    if name == "linear":
-        return x
-    raise ValueError(f"unknown activation {name!r}")
+    """The MLP nonlinearity `name` applied to `x`, as transformers computes it."""
+    return ACTIVATION_FUNCTIONS[name](x)
 
 
 class GPT2Attention(Module[..., Tensor]):
@@ -66,26 +65,20 @@ class GPT2Attention(Module[..., Tensor]):
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale(layer_idx)
-        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.c_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.c_attn = SkinnyLinear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.c_proj = SkinnyLinear(config.hidden_size, config.hidden_size, bias=True)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
     ) -> Tensor:
         layer_idx = F.constant(self.layer_idx, DType.uint32, device=CPU())
-        q = fused_qkv_ragged_matmul(
-            self.kv_params,
-            input=x,
-            input_row_offsets=input_row_offsets,
-            wqkv=self.c_attn.weight,
-            kv_collection=kv_collection,
-            layer_idx=layer_idx,
-            n_heads=self.num_heads,
-            bias=self.c_attn.bias,
-        )
+        heads = [-1, self.num_heads, self.head_dim]
+        q, k, v = F.split(self.c_attn(x), [self.num_heads * self.head_dim] * 3, axis=1)
+        store_k_cache_ragged(kv_collection, k.reshape(heads), input_row_offsets, layer_idx)
+        store_v_cache_ragged(kv_collection, v.reshape(heads), input_row_offsets, layer_idx)
         attn = flash_attention_ragged(
             self.kv_params,
-            input=q.reshape([-1, self.num_heads, self.head_dim]),
+            input=q.reshape(heads),
             input_row_offsets=input_row_offsets,
             kv_collection=kv_collection,
             layer_idx=layer_idx,
@@ -100,8 +93,8 @@ class GPT2MLP(Module[[Tensor], Tensor]):
 
     def __init__(self, config: GPT2ArchConfig) -> None:
         self.activation = config.activation
-        self.c_fc = Linear(config.hidden_size, config.feed_forward_size, bias=True)
-        self.c_proj = Linear(config.feed_forward_size, config.hidden_size, bias=True)
+        self.c_fc = SkinnyLinear(config.hidden_size, config.feed_forward_size, bias=True)
+        self.c_proj = SkinnyLinear(config.feed_forward_size, config.hidden_size, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(activation(self.activation, self.c_fc(x)))
@@ -135,18 +128,18 @@ class GPT2(Module[..., ModuleV3Outputs]):
             [GPT2Block(config, i) for i in range(config.num_layers)]
         )
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        # A tied head reads `wte` in place (`h @ wte.T` is a transposed-operand
-        # matmul, not a copy); an untied one has its own `[vocab, hidden]` weight.
+        # A tied head reads `wte` in place (both `project` paths take `[out, in]`
+        # weights, no copy); an untied one has its own `[vocab, hidden]` weight.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
+            else SkinnyLinear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def logits(self, h: Tensor) -> Tensor:
         """Final LayerNorm and LM head for the rows of `h`; ids the tokenizer lacks get -inf."""
         h = self.ln_f(h)
-        logits = h @ self.wte.weight.T if self.lm_head is None else self.lm_head(h)
+        logits = project(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
         if self.config.usable_vocab_size < self.config.vocab_size:
             ids = F.arange(0, self.config.vocab_size, dtype=DType.int64, device=logits.device)
             logits = F.where(ids < self.config.usable_vocab_size, logits, float("-inf"))
