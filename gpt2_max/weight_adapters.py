@@ -10,8 +10,8 @@ Two layouts exist in the wild and both load:
 GPT-2 was written with `Conv1D` layers whose weights are stored `[in, out]`;
 MAX's `Linear` stores `[out, in]`. That transpose happens here, once at load,
 and nowhere else. It also pays at run time: MAX's CPU matmuls are faster on
-`[out, in]` weights than `x @ W` on the `[in, out]` originals, and the fused
-QKV-and-cache-store kernel needs `[out, in]`. Every tensor is then
+`[out, in]` weights than `x @ W` on the `[in, out]` originals, and the skinny
+decode kernel streams `[out, in]` rows contiguously. Every tensor is then
 checked against the shape the config implies, so a truncated or mismatched
 checkpoint fails naming the tensor; half-precision tensors become float32.
 """
