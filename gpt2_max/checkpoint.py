@@ -1,12 +1,17 @@
 """Writes a random-weight GPT-2 checkpoint, so MAX can serve GPT-2 with no network.
 
     python -m gpt2_max.checkpoint ./gpt2-random --preset gpt2
+    python -m gpt2_max.checkpoint ./gpt2-q4 --preset gpt2 --format gguf --type q4_k_m
 
 The folder has what a hub GPT-2 repository has: `config.json`, `model.safetensors`
 in the original hub layout (bare keys, `Conv1D` weights stored `[in, out]`,
 `h.N.attn.bias` mask buffers) and the real GPT-2 tokenizer, vendored in
 `gpt2_max/gpt2_tokenizer`. Only the weights are random, so the text is noise but
 every shape, code path and cost is that of the real model.
+
+With `--format gguf` the folder holds one llama.cpp-style file instead,
+`gpt2-<type>.gguf`, with the same random weights (and the tokenizer in its
+metadata); `convert_to_gguf` turns an existing safetensors folder into one.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
+
+from .weights import gguf_writer
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
@@ -95,6 +102,33 @@ def write_checkpoint(
     return folder
 
 
+def gguf_file_name(file_type: str) -> str:
+    """`gpt2-<type>.gguf`: MAX reads the encoding of a GGUF from its file name too."""
+    return f"gpt2-{file_type}.gguf"
+
+
+def write_gguf_checkpoint(
+    folder: Path, config: GPT2Config, file_type: str, seed: int = 0, std: float = 0.02
+) -> Path:
+    """Writes the same random weights as `write_checkpoint` as one GGUF file in `folder`."""
+    return gguf_writer.write_gguf(
+        folder / gguf_file_name(file_type),
+        config,
+        random_hub_state_dict(config, seed=seed, std=std),
+        file_type,
+        TOKENIZER_DIR,
+    )
+
+
+def convert_to_gguf(folder: Path, path: Path, file_type: str) -> Path:
+    """Converts a safetensors GPT-2 folder (`config.json`, `model.safetensors`,
+    either key layout) into a GGUF file of `file_type` (`gguf_writer.FILE_TYPES`) at `path`."""
+    config = GPT2Config.from_json_file(folder / "config.json")
+    tokenizer_dir = folder if (folder / "vocab.json").exists() else TOKENIZER_DIR
+    state = load_file(str(folder / "model.safetensors"))
+    return gguf_writer.write_gguf(path, config, state, file_type, tokenizer_dir)
+
+
 def preset_config(preset: str, **overrides: object) -> GPT2Config:
     """The `GPT2Config` of a GPT-2 family member, with `overrides` applied."""
     return GPT2Config(**{**PRESETS[preset], **overrides})
@@ -106,10 +140,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.02, help="weight init std")
-    args = parser.parse_args(argv)
-    folder = write_checkpoint(
-        args.folder, preset_config(args.preset), seed=args.seed, std=args.std
+    parser.add_argument("--format", choices=("safetensors", "gguf"), default="safetensors")
+    parser.add_argument(
+        "--type", choices=sorted(gguf_writer.FILE_TYPES), default="f32",
+        help="GGUF tensor types (with --format gguf)",
     )
+    args = parser.parse_args(argv)
+    config = preset_config(args.preset)
+    if args.format == "gguf":
+        path = write_gguf_checkpoint(args.folder, config, args.type, seed=args.seed, std=args.std)
+        print(f"wrote a random-weight {args.preset} {args.type} GGUF to {path}")
+        return
+    folder = write_checkpoint(args.folder, config, seed=args.seed, std=args.std)
     print(f"wrote a random-weight {args.preset} checkpoint to {folder}")
 
 
