@@ -2,7 +2,7 @@
 
 The module tree mirrors the Hugging Face checkpoint (`wte`, `wpe`, `h.{i}.attn.c_attn`,
 `h.{i}.mlp.c_fc`, `ln_f`, ...), so weights load under their own names; the one
-layout difference, Conv1D's `[in, out]` weights, is undone in `weight_adapters`.
+layout difference, Conv1D's `[in, out]` weights, is undone in `weights/`.
 
 A batch is ragged: the active tokens of every sequence are concatenated into one
 `[total_tokens]` stream and `input_row_offsets[b] : input_row_offsets[b + 1]` is
@@ -16,7 +16,7 @@ from max import tree
 from max.driver import CPU
 from max.dtype import DType
 from max.experimental import functional as F
-from max.experimental.nn import Embedding, Linear, Module
+from max.experimental.nn import Embedding, Module
 from max.experimental.nn.common_layers.functional_kernels import (
     flash_attention_ragged,
 )
@@ -31,6 +31,7 @@ from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
 from .model_config import GPT2Config
+from .quantized import QuantizedLinear, embedding, linear, qkv_store_ragged, tied_head
 
 # Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
 # cache, and returns Q.
@@ -67,23 +68,35 @@ class GPT2Attention(Module[..., Tensor]):
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale(layer_idx)
-        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.c_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+        prefix = f"h.{layer_idx}.attn"
+        self.c_attn = linear(config, f"{prefix}.c_attn", config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = linear(config, f"{prefix}.c_proj", config.hidden_size, config.hidden_size)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
     ) -> Tensor:
         layer_idx = F.constant(self.layer_idx, DType.uint32, device=CPU())
-        q = fused_qkv_ragged_matmul(
-            self.kv_params,
-            input=x,
-            input_row_offsets=input_row_offsets,
-            wqkv=self.c_attn.weight,
-            kv_collection=kv_collection,
-            layer_idx=layer_idx,
-            n_heads=self.num_heads,
-            bias=self.c_attn.bias,
-        )
+        if isinstance(self.c_attn, QuantizedLinear):
+            q = qkv_store_ragged(
+                self.kv_params,
+                input=x,
+                input_row_offsets=input_row_offsets,
+                wqkv=self.c_attn,
+                kv_collection=kv_collection,
+                layer_idx=layer_idx,
+                n_heads=self.num_heads,
+            )
+        else:
+            q = fused_qkv_ragged_matmul(
+                self.kv_params,
+                input=x,
+                input_row_offsets=input_row_offsets,
+                wqkv=self.c_attn.weight,
+                kv_collection=kv_collection,
+                layer_idx=layer_idx,
+                n_heads=self.num_heads,
+                bias=self.c_attn.bias,
+            )
         attn = flash_attention_ragged(
             self.kv_params,
             input=q.reshape([-1, self.num_heads, self.head_dim]),
@@ -99,10 +112,13 @@ class GPT2Attention(Module[..., Tensor]):
 class GPT2MLP(Module[[Tensor], Tensor]):
     """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
 
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
         self.activation = config.activation
-        self.c_fc = Linear(config.hidden_size, config.feed_forward_size, bias=True)
-        self.c_proj = Linear(config.feed_forward_size, config.hidden_size, bias=True)
+        prefix = f"h.{layer_idx}.mlp"
+        self.c_fc = linear(config, f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
+        self.c_proj = linear(
+            config, f"{prefix}.c_proj", config.feed_forward_size, config.hidden_size
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(activation(self.activation, self.c_fc(x)))
@@ -116,7 +132,7 @@ class GPT2Block(Module[..., Tensor]):
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, layer_idx)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
@@ -130,7 +146,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
 
     def __init__(self, config: GPT2Config) -> None:
         self.config = config
-        self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
+        self.wte = embedding(config, "wte", config.vocab_size, config.hidden_size)
         self.wpe = Embedding(config.max_positions, dim=config.hidden_size)
         self.h = ModuleList(
             [GPT2Block(config, i) for i in range(config.num_layers)]
@@ -141,14 +157,14 @@ class GPT2(Module[..., ModuleV3Outputs]):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
+            else linear(config, "lm_head", config.hidden_size, config.vocab_size, bias=False)
         )
 
     def logits(self, h: Tensor) -> Tensor:
         """Final LayerNorm and LM head for the rows of `h`."""
         h = self.ln_f(h)
         if self.lm_head is None:
-            return h @ self.wte.weight.T
+            return tied_head(self.wte, h)
         return self.lm_head(h)
 
     def forward(

@@ -1,9 +1,9 @@
 """The GPT-2 pipeline model: what MAX calls to build, compile and run GPT-2.
 
 `ModuleV3PipelineModelWithKVCache` owns the flow: it reads the weights through
-`weight_adapters`, asks `_create_model_config` for the config, builds the module
-under `F.lazy()` (so no placeholder weights are ever allocated), compiles it once
-with symbolic batch and sequence dimensions, and runs it every step on the
+the adapter of their format (`weights/`), asks `_create_model_config` for the
+config, builds the module under `F.lazy()` (so no placeholder weights are ever
+allocated), compiles it once with symbolic batch and sequence dimensions, and runs it every step on the
 `GPT2Inputs` that `GPT2BatchProcessor` prepares. `LogProbabilitiesMixin` adds
 log-probabilities from the logits the graph returns.
 """
@@ -32,6 +32,12 @@ class GPT2Model(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextCont
         # pipeline config; only the logits mode is decided per pipeline.
         config = self.arch_config_as(GPT2Config)
         config.return_logits = self.return_logits
+        # GGUF blocks MAX multiplies packed arrive with their encoding set.
+        config.packed_weights = {
+            name: weight.quantization_encoding
+            for name, weight in state_dict.items()
+            if weight.quantization_encoding is not None
+        }
         return config
 
     def _instantiate_module(self, model_config: GPT2Config) -> GPT2:

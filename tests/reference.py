@@ -1,7 +1,7 @@
 """Hugging Face transformers as the reference: random checkpoints and greedy decoding.
 
 Checkpoints are written by transformers itself (torch, CPU), in the two layouts
-`gpt2_max.weight_adapters` reads, so the tests never depend on our own writer
+`gpt2_max.weights.safetensors` reads, so the tests never depend on our own writer
 being right about what a GPT-2 checkpoint looks like.
 """
 

@@ -15,7 +15,7 @@ from max.graph.weights import load_weights
 from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
 
-from gpt2_max.weight_adapters import CheckpointError, convert_safetensor_state_dict
+from gpt2_max.weights.safetensors import CheckpointError, convert_safetensor_state_dict
 from tests.reference import (
     TINY,
     random_hf_model,

@@ -1,0 +1,124 @@
+"""Layers over GGUF-packed weights: `qmatmul` linear layers and a gathered embedding.
+
+ModuleV3's `Linear` and `Embedding` hold float weights only. These keep a
+weight as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output
+feature or token) and use MAX's CPU kernels: `F.qmatmul` quantizes the
+activations to 8 bits and runs integer dot products against the blocks, and
+`F.dequantize` unpacks only the embedding rows a step gathers, so the token
+table is stored once, packed, and also serves as the tied LM head.
+
+`linear` and `embedding` pick the class from the encoding the loaded weight
+carries (`GPT2Config.packed_weights`), so `gpt2.py` builds the same tree for
+every file type.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from max.dtype import DType
+from max.experimental import functional as F
+from max.experimental.nn import Embedding, Linear, Module
+from max.experimental.tensor import Tensor
+from max.graph.quantization import QuantizationEncoding
+from max.nn import kernels
+from max.nn.kv_cache import KVCacheParams, PagedCacheValues
+
+from .model_config import GPT2Config
+
+kv_cache_store_paged_ragged = F.functional(kernels.kv_cache_store_paged_ragged)
+
+
+def packed_row_bytes(features: int, encoding: QuantizationEncoding) -> int:
+    """Bytes of one packed row of `features` values."""
+    if features % encoding.elements_per_block:
+        raise ValueError(
+            f"{encoding.name} packs rows of a multiple of {encoding.elements_per_block} "
+            f"values; this row has {features}."
+        )
+    return features // encoding.elements_per_block * encoding.block_size
+
+
+class QuantizedLinear(Module[[Tensor], Tensor]):
+    """`x @ W.T + b` with `W` in GGUF blocks, through `qmatmul`."""
+
+    weight: Tensor
+    bias: Tensor | Literal[0]
+
+    def __init__(
+        self, in_dim: int, out_dim: int, encoding: QuantizationEncoding, *, bias: bool = True
+    ) -> None:
+        self.encoding = encoding
+        self.weight = Tensor.zeros(
+            [out_dim, packed_row_bytes(in_dim, encoding)], dtype=DType.uint8
+        )
+        self.bias = Tensor.zeros([out_dim]) if bias else 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.qmatmul(self.encoding, None, x, self.weight) + self.bias
+
+
+class QuantizedEmbedding(Module[[Tensor], Tensor]):
+    """A token table in GGUF blocks: rows are gathered, then dequantized."""
+
+    weight: Tensor
+
+    def __init__(self, vocab_size: int, dim: int, encoding: QuantizationEncoding) -> None:
+        self.encoding = encoding
+        self.weight = Tensor.zeros([vocab_size, packed_row_bytes(dim, encoding)], dtype=DType.uint8)
+
+    def forward(self, indices: Tensor) -> Tensor:
+        return F.dequantize(self.encoding, F.gather(self.weight, indices, axis=0))
+
+    def attend(self, h: Tensor) -> Tensor:
+        """`h @ weight.T`: the table as a tied LM head."""
+        return F.qmatmul(self.encoding, None, h, self.weight)
+
+
+def linear(
+    config: GPT2Config, name: str, in_dim: int, out_dim: int, *, bias: bool = True
+) -> Linear | QuantizedLinear:
+    """The linear layer for parameter prefix `name`, packed if its weight is."""
+    encoding = config.packed_weights.get(f"{name}.weight")
+    if encoding is None:
+        return Linear(in_dim, out_dim, bias=bias)
+    return QuantizedLinear(in_dim, out_dim, encoding, bias=bias)
+
+
+def embedding(config: GPT2Config, name: str, rows: int, dim: int) -> Embedding | QuantizedEmbedding:
+    """The embedding table for parameter prefix `name`, packed if its weight is."""
+    encoding = config.packed_weights.get(f"{name}.weight")
+    if encoding is None:
+        return Embedding(rows, dim=dim)
+    return QuantizedEmbedding(rows, dim, encoding)
+
+
+def tied_head(wte: Embedding | QuantizedEmbedding, h: Tensor) -> Tensor:
+    """Logits through the token table (a transposed-operand matmul, not a copy)."""
+    if isinstance(wte, QuantizedEmbedding):
+        return wte.attend(h)
+    return h @ wte.weight.T
+
+
+def qkv_store_ragged(
+    kv_params: KVCacheParams,
+    *,
+    input: Tensor,
+    input_row_offsets: Tensor,
+    wqkv: QuantizedLinear,
+    kv_collection: PagedCacheValues,
+    layer_idx: Tensor,
+    n_heads: int,
+) -> Tensor:
+    """The packed-weight twin of `fused_qkv_ragged_matmul`: projects Q, K and V
+    with one `qmatmul` (+ bias), stores K and V in the paged cache, returns Q."""
+    qkv = wqkv(input)
+    hidden = n_heads * kv_params.head_dim
+    for key_or_value, start in ((0, hidden), (1, 2 * hidden)):
+        x_cache = qkv[:, start : start + hidden].reshape(
+            [-1, kv_params.n_kv_heads, kv_params.head_dim]
+        )
+        kv_cache_store_paged_ragged(
+            kv_collection, x_cache, input_row_offsets, layer_idx, key_or_value=key_or_value
+        )
+    return qkv[:, :hidden]
