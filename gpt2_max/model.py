@@ -3,9 +3,9 @@
 `ModuleV3PipelineModelWithKVCache` owns the flow: it reads the weights through
 the adapter of their format (`weights/`), asks `_create_model_config` for the
 config, builds the module under `F.lazy()` (so no placeholder weights are ever
-allocated), compiles it once with symbolic batch and sequence dimensions, and runs it every step on the
-`GPT2Inputs` that `GPT2BatchProcessor` prepares. `LogProbabilitiesMixin` adds
-log-probabilities from the logits the graph returns.
+allocated), compiles it once with symbolic batch and sequence dimensions, and
+runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
+`LogProbabilitiesMixin` adds log-probabilities from the logits the graph returns.
 """
 
 from __future__ import annotations

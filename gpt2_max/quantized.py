@@ -29,6 +29,16 @@ from .model_config import GPT2Config
 kv_cache_store_paged_ragged = F.functional(kernels.kv_cache_store_paged_ragged)
 
 
+PACKED_ROWS_MULTIPLE = 32
+"""MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
+features); a table with other counts (GPT-2's 50257 tokens) is padded with
+all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
+
+
+def padded_rows(rows: int) -> int:
+    return -(-rows // PACKED_ROWS_MULTIPLE) * PACKED_ROWS_MULTIPLE
+
+
 def packed_row_bytes(features: int, encoding: QuantizationEncoding) -> int:
     """Bytes of one packed row of `features` values."""
     if features % encoding.elements_per_block:
@@ -49,13 +59,20 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
         self, in_dim: int, out_dim: int, encoding: QuantizationEncoding, *, bias: bool = True
     ) -> None:
         self.encoding = encoding
+        self.out_dim = out_dim
         self.weight = Tensor.zeros(
-            [out_dim, packed_row_bytes(in_dim, encoding)], dtype=DType.uint8
+            [padded_rows(out_dim), packed_row_bytes(in_dim, encoding)], dtype=DType.uint8
         )
         self.bias = Tensor.zeros([out_dim]) if bias else 0
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.qmatmul(self.encoding, None, x, self.weight) + self.bias
+        return packed_matmul(self.encoding, x, self.weight, self.out_dim) + self.bias
+
+
+def packed_matmul(encoding: QuantizationEncoding, x: Tensor, weight: Tensor, rows: int) -> Tensor:
+    """`x @ weight[:rows].T` for a row-padded packed weight."""
+    y = F.qmatmul(encoding, None, x, weight)
+    return y if padded_rows(rows) == rows else y[:, :rows]
 
 
 class QuantizedEmbedding(Module[[Tensor], Tensor]):
@@ -65,14 +82,17 @@ class QuantizedEmbedding(Module[[Tensor], Tensor]):
 
     def __init__(self, vocab_size: int, dim: int, encoding: QuantizationEncoding) -> None:
         self.encoding = encoding
-        self.weight = Tensor.zeros([vocab_size, packed_row_bytes(dim, encoding)], dtype=DType.uint8)
+        self.vocab_size = vocab_size
+        self.weight = Tensor.zeros(
+            [padded_rows(vocab_size), packed_row_bytes(dim, encoding)], dtype=DType.uint8
+        )
 
     def forward(self, indices: Tensor) -> Tensor:
         return F.dequantize(self.encoding, F.gather(self.weight, indices, axis=0))
 
     def attend(self, h: Tensor) -> Tensor:
         """`h @ weight.T`: the table as a tied LM head."""
-        return F.qmatmul(self.encoding, None, h, self.weight)
+        return packed_matmul(self.encoding, h, self.weight, self.vocab_size)
 
 
 def linear(

@@ -31,10 +31,12 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights, WeightData, Weights
 from transformers import GPT2Config
 
+from ..quantized import padded_rows
 from ..tokenizer import copy_tokenizer
 from .gguf_names import block_part, hub_name
 from .safetensors import CheckpointError, expected_shapes
@@ -152,8 +154,12 @@ def convert_gguf_state_dict(
         qtype = tensor.tensor_type
         if qtype in KERNEL_ENCODINGS and stays_packed(name):
             packed = state_dict[key].data()
+            blocks = np.asarray(packed.data)
+            rows = padded_rows(blocks.shape[0])
+            if rows != blocks.shape[0]:
+                blocks = np.pad(blocks, ((0, rows - blocks.shape[0]), (0, 0)))
             converted[name] = WeightData(
-                writable(packed.data), name, packed.dtype, packed.shape,
+                writable(blocks), name, packed.dtype, Shape(blocks.shape),
                 packed.quantization_encoding,
             )
             continue
@@ -185,6 +191,8 @@ def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Conf
     """
     n_embd = int(meta["gpt2.embedding_length"])
     tokens = meta.get("tokenizer.ggml.tokens")
+    # Stored as float32: its shortest decimal is what was written (1e-05).
+    epsilon = np.float32(meta.get("gpt2.attention.layer_norm_epsilon", 1e-5))
     return GPT2Config(
         architectures=["GPT2LMHeadModel"],
         n_layer=int(meta["gpt2.block_count"]),
@@ -192,8 +200,7 @@ def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Conf
         n_head=int(meta["gpt2.attention.head_count"]),
         n_inner=int(meta.get("gpt2.feed_forward_length", 4 * n_embd)),
         n_positions=int(meta["gpt2.context_length"]),
-        # Stored as float32: its shortest decimal is what was written (1e-05).
-        layer_norm_epsilon=float(str(np.float32(meta.get("gpt2.attention.layer_norm_epsilon", 1e-5)))),
+        layer_norm_epsilon=float(str(epsilon)),
         vocab_size=len(tokens) if tokens else 50257,
         bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 50256)),
         eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 50256)),

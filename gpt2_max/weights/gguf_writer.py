@@ -116,14 +116,11 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None
     gguf.SpecialVocab(tokenizer_dir, load_merges=True).add_to_gguf(writer, quiet=True)
 
 
-def write_gguf(
-    path: Path,
-    config: GPT2Config,
-    hub_state: dict[str, np.ndarray],
-    file_type: str,
-    tokenizer_dir: Path,
-) -> Path:
-    """Writes `hub_state` (hub names and layout, float) as a llama.cpp GPT-2 GGUF."""
+def gguf_tensors(
+    config: GPT2Config, hub_state: dict[str, np.ndarray], file_type: str
+) -> dict[str, tuple[np.ndarray, Q]]:
+    """`hub_state` (hub names and layout, float) as llama.cpp tensors: name ->
+    (float32/float16 array or uint8 blocks `[rows, row_bytes]`, type)."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"unknown GGUF type {file_type!r}; expected one of {sorted(FILE_TYPES)}")
     tensors: dict[str, np.ndarray] = {}
@@ -138,13 +135,27 @@ def write_gguf(
             array = np.ascontiguousarray(array.T)
         tensors[gguf_name(hub_name)] = array
     has_output = "output.weight" in tensors
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(path, "gpt2")
-    add_gpt2_metadata(writer, config, file_type)
-    add_tokenizer_metadata(writer, tokenizer_dir)
+    typed = {}
     for name, array in tensors.items():
         qtype = tensor_type(name, array.shape, file_type, config.n_layer, has_output)
-        data = quantize(array, qtype)
+        typed[name] = (quantize(array, qtype), qtype)
+    return typed
+
+
+def write_tensors(
+    path: Path,
+    config: GPT2Config,
+    tensors: dict[str, tuple[np.ndarray, Q]],
+    file_type: str,
+    tokenizer_dir: Path,
+    architecture: str = "gpt2",
+) -> Path:
+    """Writes GPT-2 metadata, the tokenizer and `tensors` (see `gguf_tensors`) to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, architecture)
+    add_gpt2_metadata(writer, config, file_type)
+    add_tokenizer_metadata(writer, tokenizer_dir)
+    for name, (data, qtype) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -152,3 +163,14 @@ def write_gguf(
     writer.close()
     return path
 
+
+def write_gguf(
+    path: Path,
+    config: GPT2Config,
+    hub_state: dict[str, np.ndarray],
+    file_type: str,
+    tokenizer_dir: Path,
+) -> Path:
+    """Writes `hub_state` (hub names and layout, float) as a llama.cpp GPT-2 GGUF."""
+    tensors = gguf_tensors(config, hub_state, file_type)
+    return write_tensors(path, config, tensors, file_type, tokenizer_dir)
