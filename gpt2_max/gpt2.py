@@ -31,7 +31,7 @@ from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
 from .model_config import GPT2Config
-from .quantized import QuantizedLinear, embedding, linear, qkv_store_ragged, tied_head
+from .quantized import QuantizedLinear, linear, qkv_store_ragged
 
 # Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
 # cache, and returns Q.
@@ -146,7 +146,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
 
     def __init__(self, config: GPT2Config) -> None:
         self.config = config
-        self.wte = embedding(config, "wte", config.vocab_size, config.hidden_size)
+        self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
         self.wpe = Embedding(config.max_positions, dim=config.hidden_size)
         self.h = ModuleList(
             [GPT2Block(config, i) for i in range(config.num_layers)]
@@ -164,7 +164,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
         """Final LayerNorm and LM head for the rows of `h`."""
         h = self.ln_f(h)
         if self.lm_head is None:
-            return tied_head(self.wte, h)
+            return h @ self.wte.weight.T
         return self.lm_head(h)
 
     def forward(

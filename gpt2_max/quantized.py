@@ -1,15 +1,11 @@
-"""Layers over GGUF-packed weights: `qmatmul` linear layers and a gathered embedding.
+"""A linear layer over GGUF-packed weights, through MAX's `qmatmul`.
 
-ModuleV3's `Linear` and `Embedding` hold float weights only. These keep a
-weight as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output
-feature or token) and use MAX's CPU kernels: `F.qmatmul` quantizes the
-activations to 8 bits and runs integer dot products against the blocks, and
-`F.dequantize` unpacks only the embedding rows a step gathers, so the token
-table is stored once, packed, and also serves as the tied LM head.
-
-`linear` and `embedding` pick the class from the encoding the loaded weight
-carries (`GPT2Config.packed_weights`), so `gpt2.py` builds the same tree for
-every file type.
+ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
+as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
+`F.qmatmul` quantizes the activations to 8 bits per block and runs integer dot
+products against them on the CPU. `linear` picks the class from the encoding
+the loaded weight carries (`GPT2Config.packed_weights`), so `gpt2.py` builds
+the same tree for every file type.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from typing import Literal
 
 from max.dtype import DType
 from max.experimental import functional as F
-from max.experimental.nn import Embedding, Linear, Module
+from max.experimental.nn import Linear, Module
 from max.experimental.tensor import Tensor
 from max.graph.quantization import QuantizationEncoding
 from max.nn import kernels
@@ -75,26 +71,6 @@ def packed_matmul(encoding: QuantizationEncoding, x: Tensor, weight: Tensor, row
     return y if padded_rows(rows) == rows else y[:, :rows]
 
 
-class QuantizedEmbedding(Module[[Tensor], Tensor]):
-    """A token table in GGUF blocks: rows are gathered, then dequantized."""
-
-    weight: Tensor
-
-    def __init__(self, vocab_size: int, dim: int, encoding: QuantizationEncoding) -> None:
-        self.encoding = encoding
-        self.vocab_size = vocab_size
-        self.weight = Tensor.zeros(
-            [padded_rows(vocab_size), packed_row_bytes(dim, encoding)], dtype=DType.uint8
-        )
-
-    def forward(self, indices: Tensor) -> Tensor:
-        return F.dequantize(self.encoding, F.gather(self.weight, indices, axis=0))
-
-    def attend(self, h: Tensor) -> Tensor:
-        """`h @ weight.T`: the table as a tied LM head."""
-        return packed_matmul(self.encoding, h, self.weight, self.vocab_size)
-
-
 def linear(
     config: GPT2Config, name: str, in_dim: int, out_dim: int, *, bias: bool = True
 ) -> Linear | QuantizedLinear:
@@ -103,21 +79,6 @@ def linear(
     if encoding is None:
         return Linear(in_dim, out_dim, bias=bias)
     return QuantizedLinear(in_dim, out_dim, encoding, bias=bias)
-
-
-def embedding(config: GPT2Config, name: str, rows: int, dim: int) -> Embedding | QuantizedEmbedding:
-    """The embedding table for parameter prefix `name`, packed if its weight is."""
-    encoding = config.packed_weights.get(f"{name}.weight")
-    if encoding is None:
-        return Embedding(rows, dim=dim)
-    return QuantizedEmbedding(rows, dim, encoding)
-
-
-def tied_head(wte: Embedding | QuantizedEmbedding, h: Tensor) -> Tensor:
-    """Logits through the token table (a transposed-operand matmul, not a copy)."""
-    if isinstance(wte, QuantizedEmbedding):
-        return wte.attend(h)
-    return h @ wte.weight.T
 
 
 def qkv_store_ragged(

@@ -6,8 +6,10 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
 
 - F32 loads as is; F16 and BF16 are widened to float32 (MAX's CPU matmuls and
   LayerNorm run in float32).
-- Q4_0, Q4_K and Q6_K matmul weights (and the token embedding) stay packed:
-  MAX has CPU kernels for them (`ops.qmatmul`, `ops.dequantize`).
+- Q4_0, Q4_K and Q6_K matmul weights stay packed: MAX has CPU kernels for
+  them (`ops.qmatmul`). Embedding tables are dequantized to float32 at load:
+  gathering packed rows and dequantizing them in the graph crashed MAX 26.7's
+  Q4_0 kernel on a GPT-2-sized table, and a float table also serves the tied head.
 - Other block types (Q8_0, Q5_0, Q4_1, Q5_1, Q5_K, ...) have no MAX kernel; the
   `gguf` package dequantizes them to float32 here, and one log line lists them.
   MAX's own GGUF reader refuses Q8_0/Q5_0/Q4_1 outright, so their bytes are read
@@ -53,11 +55,11 @@ KERNEL_ENCODINGS: dict[Q, QuantizationEncoding] = {
 WIDENED = (Q.F16, Q.BF16)
 
 PACKABLE = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-"""Block layers whose weights may stay packed; so may `wte` and `lm_head`."""
+"""Block layers whose weights may stay packed; so may an untied `lm_head`."""
 
 def stays_packed(name: str) -> bool:
-    """Whether a quantized tensor `name` is used packed (matmul or embedding gather)."""
-    return name in ("wte.weight", "lm_head.weight") or (
+    """Whether a quantized tensor `name` is used packed (by a matmul)."""
+    return name == "lm_head.weight" or (
         name.endswith(".weight") and block_part(name) in PACKABLE
     )
 
