@@ -17,7 +17,8 @@ prompts in the same run, idle server beside it, and every MAX output is checked
 against its greedy tokens: exact, or diverging only at a near-tie (top two HF
 logits within 0.01, where float32 summation order decides), or a MISMATCH.
 Results are medians over `--repeat` runs, printed as a table and written as
-JSON to `benchmarks/results/`.
+JSON to `benchmarks/results/`; the checkpoint is kept in the user's cache
+folder and the server logs and cold-start compile cache go to a temporary one.
 Shared, noisy machines: read the ratios to HF, not the absolute numbers.
 """
 
@@ -29,7 +30,7 @@ import json
 import os
 import shutil
 import statistics
-import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,17 +38,19 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
+import llama_cpp_peer
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpt2_max.checkpoint import preset_config, write_checkpoint  # noqa: E402
-from tests.load import GREEDY, tree_rss  # noqa: E402
-from tests.reference import hf_greedy, random_prompt  # noqa: E402
-from tests.server import MODEL_NAME, max_serve  # noqa: E402
+from gpt2_max.checkpoint import convert_to_gguf, preset_config, write_checkpoint
+from gpt2_max.testing.load import GREEDY
+from gpt2_max.testing.reference import hf_greedy, random_prompt
+from gpt2_max.testing.server import MODEL_NAME, max_serve, tree_rss
 
 RESULTS = Path(__file__).parent / "results"
+"""The reports, and nothing else."""
+CHECKPOINTS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-max"
+"""Random-weight checkpoints, written once per preset and reused by later runs."""
 NEW_TOKENS = 128
 NEAR_TIE = 0.01
 """A greedy choice whose top-two HF logits differ by less than this is a coin toss
@@ -166,13 +169,17 @@ def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
     }
 
 
-def measure(url: str, hf: GPT2LMHeadModel, quick: bool, repetition: int) -> dict:
-    """One repetition of every scenario, MAX then HF."""
+def measure(
+    url: str, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None, quick: bool,
+    repetition: int,
+) -> dict:
+    """One repetition of every scenario: MAX, HF, then the peer if there is one."""
     row: dict[str, dict] = {}
     for name, prompts in scenarios(quick, repetition).items():
         new = 1 if name.startswith("d_") else NEW_TOKENS
         ours = asyncio.run(run_max(url, prompts, new))
         ref = run_hf(hf, prompts, new)
+        theirs = peer.greedy(prompts, new) if peer else None
         checks = [agreement(hf, p, o["tokens"]) for p, o in zip(prompts, ours, strict=True)]
         if name.startswith("d_"):
             units = len(prompts[0])  # prompt tokens processed
@@ -185,6 +192,11 @@ def measure(url: str, hf: GPT2LMHeadModel, quick: bool, repetition: int) -> dict
             "ttft_s": statistics.median(o["arrivals"][0] for o in ours),
             "checks": checks,
         }
+        if theirs:
+            row[name]["peer_tok_s"] = units / theirs["wall"]
+            row[name]["peer_checks"] = [
+                agreement(hf, p, t) for p, t in zip(prompts, theirs["tokens"], strict=True)
+            ]
     seed = 1000 * repetition + 4
     short_prompt, long_prompt = random_prompt(16, seed), random_prompt(900, seed + 1)
     short = asyncio.run(run_max(url, [short_prompt], NEW_TOKENS))
@@ -211,21 +223,28 @@ def median_table(runs: list[dict]) -> dict:
     out: dict[str, dict] = {}
     for name in runs[0]:
         out[name] = {
-            key: (sum((r[name][key] for r in runs), []) if key == "checks"
+            key: (sum((r[name][key] for r in runs), []) if key.endswith("checks")
                   else statistics.median(r[name][key] for r in runs))
             for key in runs[0][name]
         }
     return out
 
 
-def print_table(table: dict, startup: dict, sweep: dict[int, float]) -> None:
-    print(f"\n{'scenario':<22}{'MAX tok/s':>12}{'HF tok/s':>12}{'MAX/HF':>9}{'TTFT s':>9}"
-          "  outputs vs HF greedy")
+def tally(checks: list[str]) -> str:
+    return ", ".join(f"{checks.count(c)} {c}" for c in sorted(set(checks)))
+
+
+def print_table(table: dict, startup: dict, sweep: dict[int, float], rss: dict) -> None:
+    print(f"\n{'scenario':<22}{'MAX tok/s':>12}{'HF tok/s':>12}{'MAX/HF':>9}"
+          f"{'llama.cpp':>12}{'MAX/llama':>11}{'TTFT s':>9}  outputs vs HF greedy")
     for name, m in table.items():
         if "max_tok_s" in m:
+            peer = (f"{m['peer_tok_s']:>12.1f}{m['max_tok_s'] / m['peer_tok_s']:>11.2f}"
+                    if "peer_tok_s" in m else f"{'-':>12}{'-':>11}")
             print(f"{name:<22}{m['max_tok_s']:>12.1f}{m['hf_tok_s']:>12.1f}"
-                  f"{m['max_tok_s'] / m['hf_tok_s']:>9.2f}{m['ttft_s']:>9.3f}  "
-                  + ", ".join(f"{m['checks'].count(c)} {c}" for c in sorted(set(m["checks"]))))
+                  f"{m['max_tok_s'] / m['hf_tok_s']:>9.2f}{peer}{m['ttft_s']:>9.3f}  "
+                  f"MAX: {tally(m['checks'])}"
+                  + (f"; llama.cpp: {tally(m['peer_checks'])}" if "peer_checks" in m else ""))
         else:
             print(f"{name:<22}{'MAX ' + format(m['max_ratio'], '.2f'):>12}"
                   f"{'HF ' + format(m['hf_ratio'], '.2f'):>12}")
@@ -233,6 +252,22 @@ def print_table(table: dict, startup: dict, sweep: dict[int, float]) -> None:
           f"peak RSS of the server tree {startup['peak_rss_gb']:.2f} GB")
     print("concurrency sweep (16-token prompts, 64 new tokens): " + ", ".join(
         f"{n}: {rate:.0f} tok/s" for n, rate in sweep.items()))
+    if rss:
+        print("peak RSS of the server tree at full load, by --max-batch-size: " + ", ".join(
+            f"{n}: {gb:.2f} GB" for n, gb in rss.items()))
+
+
+def rss_by_batch_size(checkpoint: Path, sizes: list[int], devices: str, scratch: Path) -> dict:
+    """Peak server-tree RSS with `--max-batch-size n` while n requests decode at once."""
+    peaks = {}
+    for n in sizes:
+        with max_serve(checkpoint, "--max-batch-size", str(n), devices=devices,
+                       log=scratch / f"server-rss-{n}.log") as server:
+            rss = PeakRss(server.pid)
+            prompts = [random_prompt(16, 200_000 + 100 * n + i) for i in range(n)]
+            asyncio.run(run_max(server.url, prompts, 64))
+            peaks[n] = rss.stop() / 1e9
+    return peaks
 
 
 def main() -> None:
@@ -242,41 +277,60 @@ def main() -> None:
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--quick", action="store_true", help="shorter long prompt")
     parser.add_argument("--sweep", default="1,2,4,8,16,32")
+    parser.add_argument("--peer", choices=["llama.cpp"], help="also run this engine")
+    parser.add_argument("--rss-batch-sizes", default="1,8,32")
     args = parser.parse_args()
+    if args.peer and not llama_cpp_peer.available():
+        parser.error('--peer llama.cpp needs llama-cpp-python: pip install -e ".[bench]"')
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(os.cpu_count() or 1)  # every engine gets every core
     RESULTS.mkdir(parents=True, exist_ok=True)
-    checkpoint = RESULTS / f"checkpoint-{args.preset}"
+    scratch = Path(tempfile.mkdtemp(prefix="gpt2-max-bench-"))
+    checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
     hf = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
+    threads = os.cpu_count() or 1
+    peer = None
+    if args.peer:
+        gguf = CHECKPOINTS / f"checkpoint-{args.preset}-f32.gguf"
+        if not gguf.exists():
+            convert_to_gguf(checkpoint, gguf, "f32")
+        peer = llama_cpp_peer.LlamaCpp(gguf, threads=threads, n_ctx=2048, max_seqs=8)
     serve_args = ["--max-batch-size", "32"]
 
     startup: dict[str, float] = {}
-    cold_cache = RESULTS / "cold-cache"
-    shutil.rmtree(cold_cache, ignore_errors=True)  # so the first start compiles from nothing
+    cold_cache = scratch / "cold-cache"  # empty, so the first start compiles from nothing
     for label, env in (("cold_s", {"XDG_CACHE_HOME": str(cold_cache)}), ("warm_s", {})):
         start = time.perf_counter()
-        with max_serve(checkpoint, *serve_args, log=RESULTS / f"server-{label}.log",
+        with max_serve(checkpoint, *serve_args, log=scratch / f"server-{label}.log",
                        devices=args.devices, env=env):
             startup[label] = time.perf_counter() - start
-    with max_serve(checkpoint, *serve_args, log=RESULTS / "server.log",
+    shutil.rmtree(cold_cache, ignore_errors=True)
+    with max_serve(checkpoint, *serve_args, log=scratch / "server.log",
                    devices=args.devices) as server:
         url = server.url
         rss = PeakRss(server.pid)
-        runs = [measure(url, hf, args.quick, repetition) for repetition in range(args.repeat)]
+        runs = [
+            measure(url, hf, peer, args.quick, repetition) for repetition in range(args.repeat)
+        ]
         sweep = concurrency_sweep(url, [int(n) for n in args.sweep.split(",")])
         startup["peak_rss_gb"] = rss.stop() / 1e9
+    if peer:
+        peer.close()
+    sizes = [int(n) for n in args.rss_batch_sizes.split(",") if n]
+    rss = rss_by_batch_size(checkpoint, sizes, args.devices, scratch)
     table = median_table(runs)
-    print_table(table, startup, sweep)
+    print_table(table, startup, sweep, rss)
     result = {
         "preset": args.preset, "devices": args.devices, "repeat": args.repeat,
         "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "median": table,
         "runs": runs, "startup": startup, "concurrency_sweep": sweep,
+        "peer": args.peer, "threads": threads, "rss_by_max_batch_size": rss,
     }
     out = RESULTS / f"bench-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {out}; server logs in {scratch}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/soak.py --requests 500 --concurrency 32 --cancel 50
 
-Writes a tiny random GPT-2 (1024 positions) with transformers, serves it on
+Writes a tiny random GPT-2 with `gpt2_max.testing`, serves it on
 127.0.0.1, sends `--requests` greedy completions (prompts of 1-900 tokens,
 max_tokens up to past the context window, half streaming, `--cancel` of the
 streams hung up after their first token), and checks every completed answer
@@ -18,13 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from transformers import GPT2Config  # noqa: E402
-
-from tests.load import expected_tokens, plan_requests, run_load, tree_rss  # noqa: E402
-from tests.reference import TINY, random_hf_model, save_hub_layout  # noqa: E402
-from tests.server import max_serve  # noqa: E402
+from gpt2_max.testing.load import expected_tokens, plan_requests, run_load
+from gpt2_max.testing.reference import TINY, load_reference, write_tiny_checkpoint
+from gpt2_max.testing.server import max_serve, tree_rss
 
 
 def main() -> None:
@@ -36,9 +32,9 @@ def main() -> None:
     args = parser.parse_args()
 
     n_positions = TINY["n_positions"]
-    model = random_hf_model(GPT2Config(**TINY))
     folder = Path(tempfile.mkdtemp(prefix="gpt2-max-soak-"))
-    checkpoint = save_hub_layout(model, folder / "checkpoint")
+    checkpoint = write_tiny_checkpoint(folder / "checkpoint")
+    model = load_reference(checkpoint)
     requests = plan_requests(
         args.requests, n_positions, distinct_prompts=max(args.requests // 8, 1),
         max_prompt=900, cancellations=args.cancel, seed=args.seed,

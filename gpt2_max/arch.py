@@ -2,15 +2,15 @@
 
 from max.graph.weights import WeightsFormat
 from max.pipelines.context import TextContext
-from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.modeling.types import PipelineTask
 
 from .weights import gguf, safetensors
 from .batch_processor import GPT2BatchProcessor
-from .model import GPT2Model
-from .model_config import GPT2Config
-from .tokenizer import GPT2Tokenizer
+from .memory_planner import TokenBudgetMemoryPlanner
+from .model import GPT2PipelineModel
+from .model_config import GPT2ArchConfig
+from .tokenizer import GPT2TextTokenizer
 
 gpt2_arch = SupportedArchitecture(
     name="GPT2LMHeadModel",
@@ -21,10 +21,10 @@ gpt2_arch = SupportedArchitecture(
         "openai-community/gpt2-large",
         "openai-community/gpt2-xl",
     ],
-    default_encoding=GPT2Config.DEFAULT_ENCODING,
-    supported_encodings=GPT2Config.SUPPORTED_ENCODINGS,
-    pipeline_model=GPT2Model,
-    tokenizer=GPT2Tokenizer,
+    default_encoding=GPT2ArchConfig.DEFAULT_ENCODING,
+    supported_encodings=GPT2ArchConfig.SUPPORTED_ENCODINGS,
+    pipeline_model=GPT2PipelineModel,
+    tokenizer=GPT2TextTokenizer,
     context_type=TextContext,
     default_weights_format=WeightsFormat.safetensors,
     weight_adapters={
@@ -32,9 +32,9 @@ gpt2_arch = SupportedArchitecture(
         WeightsFormat.gguf: gguf.convert_gguf_state_dict,
     },
     task=PipelineTask.TEXT_GENERATION,
-    config=GPT2Config,
+    config=GPT2ArchConfig,
     batching=GPT2BatchProcessor,
-    memory_planner=PagedMemoryPlanner,
+    memory_planner=TokenBudgetMemoryPlanner,
     multi_gpu_supported=False,
     supports_overlap_scheduler=False,
     supports_device_graph_capture=False,

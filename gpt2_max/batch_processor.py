@@ -30,7 +30,22 @@ from .inputs import GPT2Inputs
 
 
 def position_ids(contexts: Sequence[TextContext]) -> np.ndarray:
-    """Absolute positions of every context's active tokens, concatenated."""
+    """Absolute positions of every context's active tokens, concatenated.
+
+    Raises:
+        ValueError: a context has a processing offset (see below).
+    """
+    for ctx in contexts:
+        # With a processing offset, `tokens.active` starts `offset` tokens after
+        # `processed_length` while `current_position` ends `offset` tokens early,
+        # so the range below would be wrong. Nothing in MAX 26.7 sets one, and
+        # only the private field tells; tests/test_batch_processor.py fails
+        # loudly if the field goes away.
+        if ctx.tokens._processing_offset:
+            raise ValueError(
+                f"request {ctx.request_id} has processing offset "
+                f"{ctx.tokens._processing_offset}; gpt2_max positions assume none."
+            )
     return np.concatenate(
         [
             np.arange(ctx.tokens.processed_length, ctx.tokens.current_position)

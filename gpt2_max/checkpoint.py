@@ -23,6 +23,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
 
+from .model_config import feed_forward_size, ties_word_embeddings
 from .tokenizer import TOKENIZER_DIR, copy_tokenizer
 from .weights import gguf, gguf_writer
 
@@ -33,15 +34,15 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
     "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
 }
-"""The GPT-2 family's shapes; all share the 50257-token vocabulary and 1024 positions."""
+"""The GPT-2 family's shapes; all share the vocabulary and the 1024 positions."""
 
 
 def random_hub_state_dict(
     config: GPT2Config, seed: int = 0, std: float = 0.02
 ) -> dict[str, np.ndarray]:
-    """Random float32 weights for `config`, keyed and laid out as on the hub."""
+    """Random float32 parameters for `config`, keyed and laid out as on the hub."""
     rng = np.random.default_rng(seed)
-    hidden, inner = config.n_embd, config.n_inner or 4 * config.n_embd
+    hidden, inner = config.n_embd, feed_forward_size(config)
 
     def normal(*shape: int) -> np.ndarray:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
@@ -49,7 +50,6 @@ def random_hub_state_dict(
     def near_one(n: int) -> np.ndarray:
         return (1.0 + normal(n)).astype(np.float32)
 
-    causal_mask = np.tril(np.ones((config.n_positions,) * 2, dtype=np.float32))
     state = {
         "wte.weight": normal(config.vocab_size, hidden),
         "wpe.weight": normal(config.n_positions, hidden),
@@ -60,7 +60,6 @@ def random_hub_state_dict(
         state |= {
             f"h.{i}.ln_1.weight": near_one(hidden),
             f"h.{i}.ln_1.bias": normal(hidden),
-            f"h.{i}.attn.bias": causal_mask[None, None],
             f"h.{i}.attn.c_attn.weight": normal(hidden, 3 * hidden),
             f"h.{i}.attn.c_attn.bias": normal(3 * hidden),
             f"h.{i}.attn.c_proj.weight": normal(hidden, hidden),
@@ -72,25 +71,32 @@ def random_hub_state_dict(
             f"h.{i}.mlp.c_proj.weight": normal(inner, hidden),
             f"h.{i}.mlp.c_proj.bias": normal(hidden),
         }
-    if not config.tie_word_embeddings:
+    if not ties_word_embeddings(config):
         state["lm_head.weight"] = normal(config.vocab_size, hidden)
     return state
+
+
+def save_hub_checkpoint(folder: Path, config: GPT2Config, state: dict[str, np.ndarray]) -> Path:
+    """Writes `state` (hub keys and layout) as a hub GPT-2 repository into `folder`.
+
+    The `h.N.attn.bias` causal-mask buffers that original hub checkpoints carry
+    are added, so every reader of this layout meets them.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.to_json_file(folder / "config.json")
+    causal_mask = np.tril(np.ones((config.n_positions,) * 2, dtype=np.float32))[None, None]
+    masks = {f"h.{i}.attn.bias": causal_mask for i in range(config.n_layer)}
+    save_file(state | masks, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(folder)
+    return folder
 
 
 def write_checkpoint(
     folder: Path, config: GPT2Config, seed: int = 0, std: float = 0.02
 ) -> Path:
     """Writes config, random hub-layout weights and tokenizer into `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config.architectures = ["GPT2LMHeadModel"]
-    config.to_json_file(folder / "config.json")
-    save_file(
-        random_hub_state_dict(config, seed=seed, std=std),
-        str(folder / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    copy_tokenizer(folder)
-    return folder
+    return save_hub_checkpoint(folder, config, random_hub_state_dict(config, seed=seed, std=std))
 
 
 def gguf_file_name(file_type: str) -> str:

@@ -12,6 +12,8 @@ values into the cache and attends over everything cached for the sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from max import tree
 from max.driver import CPU
 from max.dtype import DType
@@ -23,46 +25,42 @@ from max.experimental.nn.common_layers.functional_kernels import (
 from max.experimental.nn.norm import LayerNorm
 from max.experimental.nn.sequential import ModuleList
 from max.experimental.tensor import Tensor
-from max.graph import ops
 from max.nn import kernels
 from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
-from .model_config import GPT2Config
-from .quantized import QuantizedLinear, linear, qkv_store_ragged
+from .linear import project
+from .model_config import GPT2ArchConfig
+from .quantized import linear
 
-# Projects Q, K and V with one matmul (+ bias), stores K and V in the paged
-# cache, and returns Q.
-fused_qkv_ragged_matmul = F.functional(kernels.fused_qkv_ragged_matmul)
+# Write one layer's new keys / values (`[tokens, heads, head_dim]`) into the paged cache.
+store_k_cache_ragged = F.functional(kernels.store_k_cache_ragged)
+store_v_cache_ragged = F.functional(kernels.store_v_cache_ragged)
+
+ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "quick_gelu": lambda x: x * F.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "silu": F.silu,
+    "tanh": F.tanh,
+    "sigmoid": F.sigmoid,
+    "linear": lambda x: x,
+}
+"""The MLP nonlinearity by the canonical name `model_config.ACTIVATIONS` maps to."""
 
 
 def activation(name: str, x: Tensor) -> Tensor:
-    """The MLP nonlinearity, as transformers computes it for each config name."""
-    if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu(x)
-    if name == "quick_gelu":
-        return x * F.sigmoid(1.702 * x)
-    if name == "relu":
-        return F.relu(x)
-    if name == "silu":
-        return F.silu(x)
-    if name == "tanh":
-        return F.tanh(x)
-    if name == "sigmoid":
-        return F.sigmoid(x)
-    if name == "linear":
-        return x
-    raise ValueError(f"unknown activation {name!r}")
+    """The MLP nonlinearity `name` applied to `x`, as transformers computes it."""
+    return ACTIVATION_FUNCTIONS[name](x)
 
 
 class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         self.kv_params = config.kv_params
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -76,30 +74,13 @@ class GPT2Attention(Module[..., Tensor]):
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
     ) -> Tensor:
         layer_idx = F.constant(self.layer_idx, DType.uint32, device=CPU())
-        if isinstance(self.c_attn, QuantizedLinear):
-            q = qkv_store_ragged(
-                self.kv_params,
-                input=x,
-                input_row_offsets=input_row_offsets,
-                wqkv=self.c_attn,
-                kv_collection=kv_collection,
-                layer_idx=layer_idx,
-                n_heads=self.num_heads,
-            )
-        else:
-            q = fused_qkv_ragged_matmul(
-                self.kv_params,
-                input=x,
-                input_row_offsets=input_row_offsets,
-                wqkv=self.c_attn.weight,
-                kv_collection=kv_collection,
-                layer_idx=layer_idx,
-                n_heads=self.num_heads,
-                bias=self.c_attn.bias,
-            )
+        heads = [-1, self.num_heads, self.head_dim]
+        q, k, v = F.split(self.c_attn(x), [self.num_heads * self.head_dim] * 3, axis=1)
+        store_k_cache_ragged(kv_collection, k.reshape(heads), input_row_offsets, layer_idx)
+        store_v_cache_ragged(kv_collection, v.reshape(heads), input_row_offsets, layer_idx)
         attn = flash_attention_ragged(
             self.kv_params,
-            input=q.reshape([-1, self.num_heads, self.head_dim]),
+            input=q.reshape(heads),
             input_row_offsets=input_row_offsets,
             kv_collection=kv_collection,
             layer_idx=layer_idx,
@@ -112,7 +93,7 @@ class GPT2Attention(Module[..., Tensor]):
 class GPT2MLP(Module[[Tensor], Tensor]):
     """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         self.activation = config.activation
         prefix = f"h.{layer_idx}.mlp"
         self.c_fc = linear(config, f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
@@ -127,7 +108,7 @@ class GPT2MLP(Module[[Tensor], Tensor]):
 class GPT2Block(Module[..., Tensor]):
     """Pre-LayerNorm transformer block with residual connections."""
 
-    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         eps = config.layer_norm_epsilon
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
@@ -144,7 +125,7 @@ class GPT2Block(Module[..., Tensor]):
 class GPT2(Module[..., ModuleV3Outputs]):
     """GPT-2 language model: embeddings, `n_layer` blocks, final norm, LM head."""
 
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2ArchConfig) -> None:
         self.config = config
         self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
         self.wpe = Embedding(config.max_positions, dim=config.hidden_size)
@@ -152,8 +133,8 @@ class GPT2(Module[..., ModuleV3Outputs]):
             [GPT2Block(config, i) for i in range(config.num_layers)]
         )
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        # A tied head reads `wte` in place (`h @ wte.T` is a transposed-operand
-        # matmul, not a copy); an untied one has its own `[vocab, hidden]` weight.
+        # A tied head reads `wte` in place (both `project` paths take `[out, in]`
+        # weights, no copy); an untied one has its own `[vocab, hidden]` weight.
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -161,11 +142,13 @@ class GPT2(Module[..., ModuleV3Outputs]):
         )
 
     def logits(self, h: Tensor) -> Tensor:
-        """Final LayerNorm and LM head for the rows of `h`."""
+        """Final LayerNorm and LM head for the rows of `h`; ids the tokenizer lacks get -inf."""
         h = self.ln_f(h)
-        if self.lm_head is None:
-            return h @ self.wte.weight.T
-        return self.lm_head(h)
+        logits = project(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+        if self.config.usable_vocab_size < self.config.vocab_size:
+            ids = F.arange(0, self.config.vocab_size, dtype=DType.int64, device=logits.device)
+            logits = F.where(ids < self.config.usable_vocab_size, logits, float("-inf"))
+        return logits
 
     def forward(
         self,
@@ -193,22 +176,5 @@ class GPT2(Module[..., ModuleV3Outputs]):
                 next_token_logits=next_token_logits,
                 logits=self.logits(h),
                 logit_offsets=input_row_offsets,
-            )
-        if mode == ReturnLogits.VARIABLE:
-            # The last `return_n_logits` rows of every sequence, in order.
-            n = return_n_logits[0]
-            back = ops.range(
-                n, 0, -1, out_dim="return_n_logits_range",
-                device=h.device, dtype=DType.int64,
-            )
-            rows = F.reshape(F.unsqueeze(input_row_offsets[1:], -1) - back, [-1])
-            offsets = ops.range(
-                0, rows.shape[0] + n, n, out_dim="logit_offsets",
-                device=h.device, dtype=DType.int64,
-            )
-            return ModuleV3Outputs(
-                next_token_logits=next_token_logits,
-                logits=self.logits(F.gather(h, rows, axis=0)),
-                logit_offsets=offsets,
             )
         return ModuleV3Outputs(next_token_logits=next_token_logits)

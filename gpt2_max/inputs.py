@@ -20,7 +20,8 @@ class GPT2Inputs(ModelInputs):
     """`[total_tokens]` int64: each token's position in its own sequence."""
 
     return_n_logits: Buffer
-    """`[1]` int64 on the host: rows per sequence in variable-logits mode."""
+    """`[1]` int64 on the host: part of MAX's ragged inputs; unused, as the graph
+returns last-token or all logits, never a variable number."""
 
     input_row_offsets: Buffer
     """`[batch + 1]` uint32: where each sequence's tokens start and end."""

@@ -10,37 +10,47 @@ runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
+from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
-from .model_config import GPT2Config
+from .model_config import GPT2ArchConfig
 
 
-class GPT2Model(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
+class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching."""
 
-    model_config_cls: ClassVar[type[Any]] = GPT2Config
+    model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
 
-    def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2Config:
+    def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
         # The base class already built (and validated) the config from the
-        # pipeline config; only the logits mode is decided per pipeline.
-        config = self.arch_config_as(GPT2Config)
-        config.return_logits = self.return_logits
-        # GGUF blocks MAX multiplies packed arrive with their encoding set.
-        config.packed_weights = {
-            name: weight.quantization_encoding
-            for name, weight in state_dict.items()
-            if weight.quantization_encoding is not None
-        }
-        return config
+        # pipeline config; the logits mode is the pipeline's, given to the copy
+        # the graph is built from.
+        if self.return_logits not in (ReturnLogits.LAST_TOKEN, ReturnLogits.ALL):
+            # MAX asks for VARIABLE only under speculative decoding, which needs
+            # the overlap scheduler this architecture does not declare.
+            raise ValueError(
+                f"gpt2_max returns last-token or all logits, not {self.return_logits}."
+            )
+        return dataclasses.replace(
+            self.arch_config_as(GPT2ArchConfig),
+            return_logits=self.return_logits,
+            # GGUF blocks MAX multiplies packed arrive with their encoding set.
+            packed_weights={
+                name: weight.quantization_encoding
+                for name, weight in state_dict.items()
+                if weight.quantization_encoding is not None
+            },
+        )
 
-    def _instantiate_module(self, model_config: GPT2Config) -> GPT2:
+    def _instantiate_module(self, model_config: GPT2ArchConfig) -> GPT2:
         module = GPT2(model_config)
         module.to(self.devices[0])
         return module

@@ -1,4 +1,4 @@
-"""GPT-2 architecture config: the Hugging Face `GPT2Config` fields that shape the graph.
+"""`GPT2ArchConfig`: the fields of a Hugging Face `GPT2Config` that shape the MAX graph.
 
 `initialize` runs before any weight is read or graph is built (memory planning
 calls it too), so an unsupported checkpoint is refused here, with a message that
@@ -7,6 +7,7 @@ names the field, instead of failing somewhere inside compilation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -27,8 +28,10 @@ from max.pipelines.modeling.config_enums import (
     SupportedEncoding,
     supported_encoding_dtype,
 )
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer, GPT2Config
 from typing_extensions import Self, override
+
+from .weight_files import check_complete
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
 #: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
@@ -50,6 +53,40 @@ ACTIVATIONS: dict[str, str] = {
 
 
 QUANTIZED_ENCODINGS: frozenset[SupportedEncoding] = frozenset({"q4_0", "q4_k", "q6_k"})
+
+
+GPT2_VOCAB_SIZE: int = GPT2Config().vocab_size
+"""The vocabulary every GPT-2 family member and the vendored tokenizer share."""
+
+
+def feed_forward_size(hf_config: Any) -> int:
+    """The MLP's inner width: `n_inner`, or transformers' `4 * n_embd` when it is null."""
+    return getattr(hf_config, "n_inner", None) or 4 * hf_config.n_embd
+
+
+def ties_word_embeddings(hf_config: Any) -> bool:
+    """Whether the LM head reuses `wte`: transformers ties it unless told otherwise."""
+    return getattr(hf_config, "tie_word_embeddings", True)
+
+
+def usable_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int) -> int:
+    """The token ids both the embedding table and the tokenizer know.
+
+    Fine-tunes often pad the embedding matrix past the tokenizer's vocabulary;
+    those rows can be neither typed in nor decoded, so they are refused as input
+    and never sampled.
+    """
+    return min(model_vocab_size, tokenizer_vocab_size)
+
+
+@functools.cache
+def tokenizer_vocab_size(model_path: str, revision: str | None, trust_remote_code: bool) -> int:
+    """`len()` of the tokenizer MAX loads for `model_path` (cached: config init runs often)."""
+    return len(
+        AutoTokenizer.from_pretrained(
+            model_path, revision=revision, trust_remote_code=trust_remote_code
+        )
+    )
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -98,8 +135,8 @@ def validate_huggingface_config(hf_config: Any) -> None:
 
 
 @dataclass(kw_only=True)
-class GPT2Config(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
-    """Everything the GPT-2 graph is built from."""
+class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
+    """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
     SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32", "q4_0", "q4_k", "q6_k"}
@@ -108,6 +145,8 @@ class GPT2Config(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     the norm); the encoding picks the file and the KV-cache dtype."""
 
     vocab_size: int
+    usable_vocab_size: int
+    """Logits past this id (embedding rows the tokenizer lacks) are masked."""
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -171,29 +210,35 @@ class GPT2Config(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
         max_seq_len: int,
     ) -> Self:
         model_config = model_config or pipeline_config.model
+        # MAX itself refuses a checkpoint without config.json, naming the folder.
         hf = model_config.huggingface_config
-        if hf is None:
-            raise UnsupportedCheckpointError(
-                f"No config.json could be read for '{model_config.model_path}'."
-            )
         validate_huggingface_config(hf)
+        check_complete(model_config.resolved_weight_paths())
         encoding = _select_quantization_encoding(model_config, cls.DEFAULT_ENCODING)
         devices = [
             DeviceRef(spec.device_type, spec.id) for spec in model_config.device_specs
         ]
         return cls(
             vocab_size=hf.vocab_size,
+            usable_vocab_size=usable_vocab_size(
+                hf.vocab_size,
+                tokenizer_vocab_size(
+                    model_config.model_path,
+                    model_config.huggingface_model_revision,
+                    model_config.trust_remote_code,
+                ),
+            ),
             hidden_size=hf.n_embd,
             num_layers=hf.n_layer,
             num_heads=hf.n_head,
             head_dim=hf.n_embd // hf.n_head,
-            feed_forward_size=hf.n_inner or 4 * hf.n_embd,
+            feed_forward_size=feed_forward_size(hf),
             max_positions=hf.n_positions,
             layer_norm_epsilon=hf.layer_norm_epsilon,
             activation=ACTIVATIONS[hf.activation_function],
             scale_attn_weights=hf.scale_attn_weights,
             scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
-            tie_word_embeddings=getattr(hf, "tie_word_embeddings", True),
+            tie_word_embeddings=ties_word_embeddings(hf),
             max_seq_len=max_seq_len,
             # Activations and unpacked weights are float32 under every CPU
             # encoding (a block encoding's own dtype, uint8, is its packing).

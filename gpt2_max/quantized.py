@@ -4,7 +4,7 @@ ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
 `F.qmatmul` quantizes the activations to 8 bits per block and runs integer dot
 products against them on the CPU. `linear` picks the class from the encoding
-the loaded weight carries (`GPT2Config.packed_weights`), so `gpt2.py` builds
+the loaded weight carries (`GPT2ArchConfig.packed_weights`), so `gpt2.py` builds
 the same tree for every file type.
 """
 
@@ -14,16 +14,12 @@ from typing import Literal
 
 from max.dtype import DType
 from max.experimental import functional as F
-from max.experimental.nn import Linear, Module
+from max.experimental.nn import Module
 from max.experimental.tensor import Tensor
 from max.graph.quantization import QuantizationEncoding
-from max.nn import kernels
-from max.nn.kv_cache import KVCacheParams, PagedCacheValues
 
-from .model_config import GPT2Config
-
-kv_cache_store_paged_ragged = F.functional(kernels.kv_cache_store_paged_ragged)
-
+from .linear import SkinnyLinear
+from .model_config import GPT2ArchConfig
 
 PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
@@ -72,34 +68,10 @@ def packed_matmul(encoding: QuantizationEncoding, x: Tensor, weight: Tensor, row
 
 
 def linear(
-    config: GPT2Config, name: str, in_dim: int, out_dim: int, *, bias: bool = True
-) -> Linear | QuantizedLinear:
+    config: GPT2ArchConfig, name: str, in_dim: int, out_dim: int, *, bias: bool = True
+) -> SkinnyLinear | QuantizedLinear:
     """The linear layer for parameter prefix `name`, packed if its weight is."""
     encoding = config.packed_weights.get(f"{name}.weight")
     if encoding is None:
-        return Linear(in_dim, out_dim, bias=bias)
+        return SkinnyLinear(in_dim, out_dim, bias=bias)
     return QuantizedLinear(in_dim, out_dim, encoding, bias=bias)
-
-
-def qkv_store_ragged(
-    kv_params: KVCacheParams,
-    *,
-    input: Tensor,
-    input_row_offsets: Tensor,
-    wqkv: QuantizedLinear,
-    kv_collection: PagedCacheValues,
-    layer_idx: Tensor,
-    n_heads: int,
-) -> Tensor:
-    """The packed-weight twin of `fused_qkv_ragged_matmul`: projects Q, K and V
-    with one `qmatmul` (+ bias), stores K and V in the paged cache, returns Q."""
-    qkv = wqkv(input)
-    hidden = n_heads * kv_params.head_dim
-    for key_or_value, start in ((0, hidden), (1, 2 * hidden)):
-        x_cache = qkv[:, start : start + hidden].reshape(
-            [-1, kv_params.n_kv_heads, kv_params.head_dim]
-        )
-        kv_cache_store_paged_ragged(
-            kv_collection, x_cache, input_row_offsets, layer_idx, key_or_value=key_or_value
-        )
-    return qkv[:, :hidden]

@@ -13,6 +13,10 @@ as plain `Role: content` lines ending in `Assistant:`, which a base model can
 continue. It is used only for chat requests: completions and `max generate`
 still see a template-less tokenizer and send the raw prompt. A template in the
 checkpoint or `--chat-template` takes precedence.
+
+Building the tokenizer also makes `stop` strings exact under `max serve` on MAX
+releases that need it (`gpt2_max.stop_serving`): the serving layer builds the
+tokenizer before its pipeline, and the fix applies to this tokenizer's requests.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from max.pipelines.modeling.types import (
     TextGenerationRequestTool,
 )
 from transformers import PreTrainedTokenizerBase
+
+from . import stop_serving
+from .model_config import usable_vocab_size
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 """The real GPT-2 tokenizer, vendored so nothing needs the network."""
@@ -51,16 +58,18 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 
-class GPT2Tokenizer(TextTokenizer):
+class GPT2TextTokenizer(TextTokenizer):
     """`TextTokenizer` that validates token ids and renders chats without a template."""
 
     def __init__(
         self, model_path: str, pipeline_config: PipelineConfig, **kwargs: Any
     ) -> None:
         super().__init__(model_path, pipeline_config, **kwargs)
-        model_vocab = pipeline_config.model.huggingface_config.vocab_size
-        self.valid_token_ids = min(model_vocab, self.tokenizer_vocab_size)
+        self.valid_token_ids = usable_vocab_size(
+            pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
+        )
         self.echo_enabled = pipeline_config.model.enable_echo
+        stop_serving.install(GPT2TextTokenizer)
 
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
         if request.echo and request.logprobs and not self.echo_enabled:
@@ -85,7 +94,8 @@ class GPT2Tokenizer(TextTokenizer):
         tools: list[TextGenerationRequestTool] | None,
         **chat_template_options: Any,
     ) -> str:
-        if self._custom_template_provided or self.delegate.chat_template:
+        # MAX sets a `--chat-template` on the delegate, so this sees it too.
+        if self.delegate.chat_template:
             return super().apply_chat_template(messages, tools, **chat_template_options)
         return PreTrainedTokenizerBase.apply_chat_template(
             self.delegate,

@@ -1,8 +1,10 @@
-"""Shared fixtures: HF reference models, their checkpoints, and loaded MAX models.
+"""Shared fixtures: reference checkpoints per config variant, and loaded MAX models.
 
-Every distinct GPT-2 graph costs MAX a 1-3 minute compile on these CPUs (cached
-under ~/.cache/modular afterwards), so checkpoints that share a graph share a
-config, and each loaded model is kept for the whole session.
+The "default" variant is the `gpt2_max` pytest plugin's own checkpoint (the one
+its session server serves), so the package's tests run on what the plugin hands
+to other test suites. Every distinct GPT-2 graph costs MAX a compile, so
+checkpoints that share a graph share a config, and each loaded model is kept for
+the whole session.
 """
 
 from __future__ import annotations
@@ -14,61 +16,80 @@ import pytest
 from max.pipelines import AutoModel
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tests.reference import (
+from gpt2_max.checkpoint import save_hub_checkpoint
+from gpt2_max.generator import Generator
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
+from gpt2_max.testing.reference import (
     TINY,
-    random_hf_model,
-    save_hub_layout,
+    Reference,
+    load_reference,
+    random_state_dict,
     save_transformers_layout,
 )
+
+PADDED_VOCAB_SIZE = GPT2_VOCAB_SIZE + 47
+"""An embedding table padded past the tokenizer, as fine-tunes often do."""
 
 VARIANTS: dict[str, dict] = {
     # The GPT-2 family's own settings: gelu_new, tied head, 1/sqrt(d) scaling.
     "default": dict(TINY),
     # Every other knob that changes the math, in one graph.
-    "relu-untied-layer-scaled": dict(
+    "relu-untied-padded-layer-scaled": dict(
         TINY,
         activation_function="relu",
         scale_attn_by_inverse_layer_idx=True,
         tie_word_embeddings=False,
         n_inner=96,
         layer_norm_epsilon=1e-3,
+        vocab_size=PADDED_VOCAB_SIZE,
     ),
     "gelu-unscaled": dict(TINY, activation_function="gelu", scale_attn_weights=False),
 }
 
-LAYOUTS: dict[str, Callable[[GPT2LMHeadModel, Path], Path]] = {
-    "hub": save_hub_layout,
-    "transformers-sharded": lambda model, folder: save_transformers_layout(
-        model, folder, shard=True
-    ),
-}
+LAYOUTS = ("hub", "transformers-sharded")
+
+
+def write_variant(folder: Path, variant: str) -> Path:
+    """A variant's hub checkpoint. Padded head rows are scaled up so that,
+    unmasked, they would win the argmax: a test then shows they are masked."""
+    config = GPT2Config(**VARIANTS[variant])
+    state = random_state_dict(config)
+    if config.vocab_size > GPT2_VOCAB_SIZE:
+        state["lm_head.weight"][GPT2_VOCAB_SIZE:] *= 20
+    return save_hub_checkpoint(folder, config, state)
 
 
 @pytest.fixture(scope="session")
-def hf_models() -> Callable[[str], GPT2LMHeadModel]:
-    """The reference model of a variant, built once."""
-    cache: dict[str, GPT2LMHeadModel] = {}
+def checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, gpt2_max_checkpoint: Path
+) -> Callable[[str, str], Path]:
+    """The checkpoint folder of a (variant, layout), written once."""
+    cache: dict[tuple[str, str], Path] = {("default", "hub"): gpt2_max_checkpoint}
 
-    def get(variant: str) -> GPT2LMHeadModel:
-        if variant not in cache:
-            cache[variant] = random_hf_model(GPT2Config(**VARIANTS[variant]))
-        return cache[variant]
+    def get(variant: str, layout: str) -> Path:
+        if (variant, layout) not in cache:
+            folder = tmp_path_factory.mktemp(f"{variant}-{layout}")
+            if layout == "hub":
+                cache[variant, layout] = write_variant(folder, variant)
+            else:
+                model = load_reference(get(variant, "hub"))
+                cache[variant, layout] = save_transformers_layout(model, folder, shard=True)
+        return cache[variant, layout]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def checkpoints(
-    tmp_path_factory: pytest.TempPathFactory, hf_models: Callable[[str], GPT2LMHeadModel]
-) -> Callable[[str, str], Path]:
-    """The checkpoint folder of a (variant, layout), written once."""
-    cache: dict[tuple[str, str], Path] = {}
+def hf_models(
+    checkpoints: Callable[[str, str], Path], gpt2_max_reference: Reference
+) -> Callable[[str], GPT2LMHeadModel]:
+    """The reference model of a variant: transformers reading its hub checkpoint."""
+    cache: dict[str, GPT2LMHeadModel] = {"default": gpt2_max_reference.model}
 
-    def get(variant: str, layout: str) -> Path:
-        if (variant, layout) not in cache:
-            folder = tmp_path_factory.mktemp(f"{variant}-{layout}")
-            cache[variant, layout] = LAYOUTS[layout](hf_models(variant), folder)
-        return cache[variant, layout]
+    def get(variant: str) -> GPT2LMHeadModel:
+        if variant not in cache:
+            cache[variant] = load_reference(checkpoints(variant, "hub"))
+        return cache[variant]
 
     return get
 
@@ -97,3 +118,13 @@ def max_models() -> Iterator[Callable[[Path], AutoModel]]:
     yield get
     for model in cache.values():
         model.close()
+
+
+@pytest.fixture(scope="session")
+def generator(checkpoints: Callable[[str, str], Path]) -> Iterator[Generator]:
+    """One in-process generator on the default variant, for every generator test.
+
+    It shares the default variant's graph (and so its compile) with `max_models`.
+    """
+    with Generator(checkpoints("default", "hub"), max_batch_size=8) as loaded:
+        yield loaded

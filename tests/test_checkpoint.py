@@ -13,7 +13,8 @@ from gpt2_max.checkpoint import (
     random_hub_state_dict,
     write_checkpoint,
 )
-from tests.reference import TINY
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
+from gpt2_max.testing.reference import TINY
 
 
 def test_written_checkpoint_loads_in_transformers_with_every_weight(tmp_path):
@@ -37,13 +38,14 @@ def test_written_checkpoint_carries_the_real_gpt2_tokenizer(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert tokenizer("Hello world")["input_ids"] == [15496, 995]
     assert tokenizer.eos_token_id == 50256
+    assert len(tokenizer) == GPT2_VOCAB_SIZE
 
 
 def test_presets_have_the_family_shapes():
     assert PRESETS["gpt2-xl"] == dict(n_layer=48, n_embd=1600, n_head=25)
     config = preset_config("gpt2-medium")
     assert (config.n_layer, config.n_embd, config.n_head) == (24, 1024, 16)
-    assert (config.vocab_size, config.n_positions) == (50257, 1024)
+    assert (config.vocab_size, config.n_positions) == (GPT2_VOCAB_SIZE, 1024)
 
 
 def test_command_line_writes_a_preset(tmp_path, capsys, monkeypatch):

@@ -11,13 +11,11 @@ from transformers import GPT2Config
 
 from gpt2_max.model_config import (
     ACTIVATIONS,
+    GPT2ArchConfig,
     UnsupportedCheckpointError,
     validate_huggingface_config,
 )
-from gpt2_max.model_config import (
-    GPT2Config as GPT2ArchConfig,
-)
-from tests.reference import TINY
+from gpt2_max.testing.reference import TINY
 
 
 def test_family_defaults_are_accepted():
@@ -53,7 +51,7 @@ def test_other_model_types_are_refused():
 
 def max_config(**flags: bool) -> GPT2ArchConfig:
     fields = dict(
-        vocab_size=1, hidden_size=64, num_layers=4, num_heads=4, head_dim=16,
+        vocab_size=1, usable_vocab_size=1, hidden_size=64, num_layers=4, num_heads=4, head_dim=16,
         feed_forward_size=256, max_positions=256, layer_norm_epsilon=1e-5,
         activation="relu", scale_attn_weights=True,
         scale_attn_by_inverse_layer_idx=False, tie_word_embeddings=True,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.load import LoadRequest, expected_tokens, plan_requests, run_load, tree_rss
-from tests.reference import TINY, random_prompt
-from tests.server import max_serve, serve_command
+from gpt2_max.testing.load import LoadRequest, expected_tokens, plan_requests, run_load
+from gpt2_max.testing.reference import TINY, random_prompt
+from gpt2_max.testing.server import max_serve, serve_command, tree_rss
 
 pytestmark = pytest.mark.slow
 
@@ -92,13 +92,16 @@ def break_checkpoint(source: Path, target: Path, how: str) -> Path:
     elif how == "pickle-only":
         weights.rename(target / "pytorch_model.bin")
     (target / "config.json").write_text(json.dumps(config))
+    if how == "missing-config":
+        (target / "config.json").unlink()
     return target
 
 
 @pytest.mark.parametrize(
     "how, message",
     [
-        ("truncated-file", "safetensors"),
+        ("truncated-file", "IncompleteCheckpointError: model.safetensors is truncated"),
+        ("missing-config", "No config.json"),
         ("missing-tensor", "missing 1 tensor(s), first 'h.1.attn.c_proj.weight'"),
         ("wrong-shape", "'ln_f.bias' has shape (7,); the config implies (64,)"),
         ("wrong-dtype", "'wte.weight' has dtype int32"),
@@ -135,23 +138,30 @@ def test_max_length_beyond_the_positions_is_refused(checkpoints):
     )
 
 
-def test_demand_beyond_the_token_budget_waits_and_completes(checkpoints, hf_models, tmp_path):
-    """8 near-full-window requests against room for 2 resident at a time.
+def test_demand_beyond_a_bounded_kv_cache_waits_and_completes(
+    busy_server, checkpoints, hf_models, tmp_path
+):
+    """32 near-full-window requests, all in flight, against a KV cache for 2 windows.
 
-    MAX's CPU memory planner always sizes the KV cache for a full batch at full
-    length, so the budget is set with `--max-batch-total-tokens`: the scheduler
-    must hold requests back until pages free up, and none may fail.
+    `--max-batch-total-tokens` sizes the cache (`gpt2_max.memory_planner`)
+    instead of the 32 full windows MAX reserves for `--max-batch-size 32`
+    (`busy_server`); the scheduler must hold requests back until pages free up,
+    none may fail, and the worker must keep serving.
     """
     requests = [
         LoadRequest(i, tuple(random_prompt(900, seed=i)), 100, stream=i % 2 == 1)
-        for i in range(8)
+        for i in range(CONCURRENCY)
     ]
     with max_serve(
         checkpoints("default", "hub"),
-        "--max-batch-size", "8", "--max-batch-total-tokens", "2048",
+        "--max-batch-size", str(CONCURRENCY), "--max-batch-total-tokens", str(2 * N_POSITIONS),
         log=tmp_path / "server.log",
     ) as server:
-        report = run_load(server.url, requests, concurrency=8)
+        report = run_load(server.url, requests, concurrency=CONCURRENCY)
+        again = run_load(server.url, requests[:1], concurrency=1)
     assert report.failed == {}
     expected = expected_tokens(hf_models("default"), requests, N_POSITIONS)
     assert report.completed == expected
+    assert again.completed == {0: expected[0]}
+    # 2 windows (+ MAX's null page) against 32: well under a tenth of the default.
+    assert server.kv_cache_bytes() < busy_server.kv_cache_bytes() / 10

@@ -3,14 +3,7 @@
 import random
 
 from gpt2_max.stop import StopScanner, cut_at_stop
-
-
-def expected(text: str, stops: list[str]) -> tuple[str, bool]:
-    for end in range(len(text) + 1):
-        done = [len(stop) for stop in stops if stop and text[:end].endswith(stop)]
-        if done:
-            return text[: end - max(done)], True
-    return text, False
+from gpt2_max.testing.reference import stopped_text
 
 
 def test_cut_and_stream_agree_with_brute_force() -> None:
@@ -19,7 +12,7 @@ def test_cut_and_stream_agree_with_brute_force() -> None:
         text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 20)))
         stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 4)))
                  for _ in range(rng.randint(1, 4))]
-        want = expected(text, stops)
+        want = stopped_text(text, stops)
         assert cut_at_stop(text, stops) == want
         scanner, out, i = StopScanner(stops), "", 0
         while i < len(text):

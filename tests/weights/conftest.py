@@ -6,11 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
-from tests.reference import TINY, random_hf_model, save_gguf
+from gpt2_max.testing.reference import load_reference, save_gguf, write_tiny_checkpoint
 
-QUANTIZED = dict(TINY, n_embd=256)
+QUANTIZED = dict(n_embd=256)
 """K-quant blocks hold 256 values, so rows (n_embd, 4 * n_embd) must be multiples of 256."""
 
 
@@ -29,5 +29,6 @@ def gguf_files(tmp_path_factory) -> Callable[[GPT2LMHeadModel, str], Path]:
 
 
 @pytest.fixture(scope="session")
-def quantized_model() -> GPT2LMHeadModel:
-    return random_hf_model(GPT2Config(**QUANTIZED))
+def quantized_model(tmp_path_factory) -> GPT2LMHeadModel:
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("quantized"), **QUANTIZED)
+    return load_reference(folder)

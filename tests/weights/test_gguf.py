@@ -26,7 +26,7 @@ from gpt2_max.checkpoint import TOKENIZER_DIR, random_hub_state_dict
 from gpt2_max.weights.gguf import CheckpointError, convert_gguf_state_dict, write_companion_files
 from gpt2_max.weights.gguf_quants import quantize
 from gpt2_max.weights.gguf_writer import gguf_tensors, write_gguf, write_tensors
-from tests.reference import hf_greedy, hf_on_gguf_weights, random_prompt
+from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_prompt
 
 NEW_TOKENS = 32
 
@@ -36,7 +36,7 @@ NEW_TOKENS = 32
 # the file supplies them (MAX reads it first). The variant's untied head,
 # n_inner and layer_norm_epsilon come from the GGUF itself.
 @pytest.mark.parametrize("file_type", ["f32", "f16"])
-@pytest.mark.parametrize("variant", ["default", "relu-untied-layer-scaled"])
+@pytest.mark.parametrize("variant", ["default", "relu-untied-padded-layer-scaled"])
 def test_float_gguf_matches_transformers(variant, file_type, hf_models, gguf_files, max_models):
     path = gguf_files(hf_models(variant), file_type)
     reference = hf_on_gguf_weights(hf_models(variant), path)

@@ -12,9 +12,9 @@ from transformers import GPT2Config
 
 from gpt2_max.checkpoint import TOKENIZER_DIR, random_hub_state_dict
 from gpt2_max.weights.gguf_writer import gguf_tensors, write_tensors
-from tests.load import LoadRequest, run_load
-from tests.reference import hf_on_gguf_weights, random_prompt, save_gguf
-from tests.server import max_serve, serve_command
+from gpt2_max.testing.load import LoadRequest, run_load
+from gpt2_max.testing.reference import hf_on_gguf_weights, random_prompt, save_gguf
+from gpt2_max.testing.server import max_serve, serve_command
 
 MAX_TOKENS = 24
 

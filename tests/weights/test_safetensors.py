@@ -1,7 +1,7 @@
 """Checkpoint layouts, the Conv1D transpose, and broken checkpoints.
 
-Checkpoints are written by transformers and read back through MAX's own
-safetensors loader, exactly as `max serve` reads them.
+Checkpoints are read back through MAX's own safetensors loader, exactly as
+`max serve` reads them, and compared with what transformers reads from them.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from max.graph.weights import load_weights
 from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
 
-from gpt2_max.weights.safetensors import CheckpointError, convert_safetensor_state_dict
-from tests.reference import (
+from gpt2_max.testing.reference import (
     TINY,
-    random_hf_model,
-    save_hub_layout,
+    load_reference,
     save_transformers_layout,
+    write_tiny_checkpoint,
 )
+from gpt2_max.weights.safetensors import CheckpointError, convert_safetensor_state_dict
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -47,15 +47,14 @@ def expected_from_hf(model) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("layout", ["hub", "transformers", "transformers-sharded"])
 def test_layouts_convert_to_the_same_parameters(tmp_path, layout, tied):
-    config = GPT2Config(**TINY, tie_word_embeddings=tied, n_inner=80)
-    model = random_hf_model(config)
-    if layout == "hub":
-        save_hub_layout(model, tmp_path)
-    else:
-        save_transformers_layout(model, tmp_path, shard=layout.endswith("sharded"))
-    if layout.endswith("sharded"):
-        assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    converted = convert(tmp_path, config)
+    overrides = dict(tie_word_embeddings=tied, n_inner=80)
+    folder = write_tiny_checkpoint(tmp_path / "hub", **overrides)
+    model = load_reference(folder)
+    if layout != "hub":
+        sharded = layout.endswith("sharded")
+        folder = save_transformers_layout(model, tmp_path / layout, shard=sharded)
+        assert (len(list(folder.glob("*.safetensors"))) > 1) == sharded
+    converted = convert(folder, GPT2Config(**TINY, **overrides))
     expected = expected_from_hf(model)
     assert sorted(converted) == sorted(expected)
     for name, array in expected.items():
@@ -72,9 +71,7 @@ def rewrite(folder: Path, edit) -> None:
 
 @pytest.fixture
 def hub_checkpoint(tmp_path) -> tuple[Path, GPT2Config]:
-    config = GPT2Config(**TINY)
-    save_hub_layout(random_hf_model(config), tmp_path)
-    return tmp_path, config
+    return write_tiny_checkpoint(tmp_path), GPT2Config(**TINY)
 
 
 def test_tied_head_saved_anyway_is_dropped(hub_checkpoint):

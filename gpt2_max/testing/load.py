@@ -1,6 +1,6 @@
 """A bounded load generator for `max serve`, checked token for token against transformers.
 
-Used by the reliability tests and by `benchmarks/soak.py`. Every request is a
+Used by the package's serving tests and by `benchmarks/soak.py`. Every request is a
 greedy completion of a token-id prompt, so its exact answer is known in advance:
 the first `max_tokens` tokens of transformers' greedy continuation, cut at the
 context window. Prompts repeat (several requests share one), which also keeps
@@ -14,14 +14,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import psutil
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-from tests.reference import hf_greedy
-from tests.server import MODEL_NAME
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
+from gpt2_max.testing.reference import hf_greedy
+from gpt2_max.testing.server import MODEL_NAME
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+"""openai-client arguments of a greedy request that answers with token ids."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def plan_requests(
     """
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_prompt + 1, distinct_prompts)
-    prompts = [tuple(rng.integers(0, 50257, n).tolist()) for n in lengths]
+    prompts = [tuple(rng.integers(0, GPT2_VOCAB_SIZE, n).tolist()) for n in lengths]
     requests = []
     for i in range(count):
         prompt = prompts[i % distinct_prompts]
@@ -141,8 +142,3 @@ def run_load(url: str, requests: list[LoadRequest], concurrency: int) -> LoadRep
     """Sends `requests`, at most `concurrency` in flight, and reports what came back."""
     return asyncio.run(_run(url, requests, concurrency))
 
-
-def tree_rss(pid: int) -> int:
-    """Resident memory of a process and all its descendants, in bytes."""
-    root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])

@@ -1,0 +1,98 @@
+"""llama.cpp as a peer in the benchmark: greedy decoding of the same prompts, same threads.
+
+Uses `llama-cpp-python` (an optional extra: `pip install llama-cpp-python` builds llama.cpp
+from source) through its C API, so several sequences decode in one batch the way
+llama.cpp's own server runs parallel slots: one `llama_decode` per step with one token
+per sequence. Greedy means the argmax of the logits, as HF and MAX are asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCpp:
+    """One model and context for up to `max_seqs` sequences of `n_ctx` tokens in all."""
+
+    def __init__(self, gguf: Path, *, threads: int, n_ctx: int, max_seqs: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        model_params = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(gguf).encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        params = lc.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = min(n_ctx, 1024)
+        params.n_seq_max = max_seqs
+        params.kv_unified = True  # sequences share the whole context, as MAX's paged cache does
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.n_batch = params.n_batch
+        self.batch = lc.llama_batch_init(self.n_batch, 0, max_seqs)
+
+    def close(self) -> None:
+        lc = self.lc
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        lc.llama_model_free(self.model)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Decodes (token, position, sequence, wants_logits) rows; argmax of each wanted row."""
+        batch, picks = self.batch, []
+        for start in range(0, len(entries), self.n_batch):
+            chunk = entries[start : start + self.n_batch]
+            for i, (token, pos, seq, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i] = token, pos
+                batch.n_seq_id[i], batch.seq_id[i][0] = 1, seq
+                batch.logits[i] = logits
+            batch.n_tokens = len(chunk)
+            if self.lc.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, (*_, logits) in enumerate(chunk):
+                if logits:
+                    row = self.lc.llama_get_logits_ith(self.ctx, i)
+                    values = np.ctypeslib.as_array(
+                        ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,)
+                    )
+                    picks.append(int(values.argmax()))
+        return picks
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """All prompts prefilled together, then one batched step per new token.
+
+        Returns each sequence's new tokens, the wall time, and the time of the first token.
+        """
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        entries = [
+            (token, pos, seq, pos == len(prompt) - 1)
+            for seq, prompt in enumerate(prompts)
+            for pos, token in enumerate(prompt)
+        ]
+        last = self._decode(entries)
+        first_token = time.perf_counter() - start
+        out = [[token] for token in last]
+        for step in range(1, max_tokens):
+            last = self._decode([
+                (token, len(prompt) + step - 1, seq, True)
+                for seq, (prompt, token) in enumerate(zip(prompts, last, strict=True))
+            ])
+            for seq, token in enumerate(last):
+                out[seq].append(token)
+        return {"tokens": out, "wall": time.perf_counter() - start, "ttft": first_token}

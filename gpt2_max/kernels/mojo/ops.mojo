@@ -1,0 +1,53 @@
+"""MAX registrations of the skinny matmul (see `skinny.mojo`)."""
+
+import extensibility
+from extensibility import InputTensor, OutputTensor
+from max.gpu.host import DeviceContext
+from max.runtime.asyncrt import parallelism_level
+
+from .skinny import CpuCtx, F32Ptr, skinny_matmul
+
+
+def _run(
+    y: F32Ptr, x: F32Ptr, w: F32Ptr, b: F32Ptr,
+    M: Int, K: Int, N: Int, has_bias: Bool, ctx: DeviceContext,
+) raises:
+    var cpu = Optional[CpuCtx](None)
+    skinny_matmul(x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
+
+
+@extensibility.register("gpt2_skinny_linear")
+struct SkinnyLinear:
+    """y[M, N] = x[M, K] @ w[N, K]^T + b[N]."""
+
+    @staticmethod
+    def execute[target: StaticString](
+        y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        w: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        b: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
+        ctx: DeviceContext,
+    ) raises:
+        _run(
+            rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
+            rebind[F32Ptr](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
+            x.dim_size(0), x.dim_size(1), w.dim_size(0), True, ctx,
+        )
+
+
+@extensibility.register("gpt2_skinny_matmul")
+struct SkinnyMatmul:
+    """y[M, N] = x[M, K] @ w[N, K]^T."""
+
+    @staticmethod
+    def execute[target: StaticString](
+        y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        w: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        ctx: DeviceContext,
+    ) raises:
+        var wp = rebind[F32Ptr](w.unsafe_ptr())
+        _run(
+            rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
+            wp, wp, x.dim_size(0), x.dim_size(1), w.dim_size(0), False, ctx,
+        )

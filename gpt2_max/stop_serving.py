@@ -1,0 +1,84 @@
+"""Exact `stop` strings through `max serve` on MAX versions whose serving layer gets them wrong.
+
+MAX 26.7 matches stop strings in the API process, chunk by chunk, and cuts the
+text in only some routes: plain completions keep the stop text, streams send
+it, a token produced after the match is appended, and a stop that drops out of
+the matcher's trimmed buffer leaves the last chunk ACTIVE, which completions
+answer with 400. Every completions and chat route, streamed or not, reads one
+generator, `TokenGeneratorPipeline.next_token_chunk`; so this module takes the
+stop strings off the request before MAX sees them and applies
+`gpt2_max.stop.StopScanner` to the chunks that generator yields: text that
+could still begin a stop is held back, the chunk that completes one is cut
+before it and ends the response as END_OF_SEQUENCE (finish_reason "stop"),
+and the model worker is told to stop generating. Without a match the held-back
+text goes out with the last chunk, whose finish reason stands.
+
+It wraps only pipelines whose tokenizer is gpt2-max's, and only on the MAX
+releases in `NEEDED_FOR`; on any other release MAX's own handling is left as
+it is.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
+from typing import Any
+
+from max.pipelines.context import GenerationStatus
+from max.serve.pipelines.llm import TokenGeneratorOutput, TokenGeneratorPipeline
+
+from .stop import StopScanner
+
+NEEDED_FOR = ("26.7.",)
+"""MAX releases (version prefixes) whose serving layer does not cut at stop strings exactly."""
+
+
+def needed(max_version: str | None = None) -> bool:
+    """Whether this MAX release needs the stop strings handled here."""
+    return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
+
+
+async def cut_at_stops(
+    chunks: AsyncGenerator[TokenGeneratorOutput, None],
+    scanner: StopScanner,
+    stop_generating: Callable[[], None],
+) -> AsyncGenerator[TokenGeneratorOutput, None]:
+    """`chunks` with their text cut before the first stop string, ending at it."""
+    try:
+        async for chunk in chunks:
+            text = scanner.feed(chunk.decoded_tokens or "")
+            if scanner.stopped:
+                if not chunk.status.is_done:
+                    stop_generating()
+                yield replace(
+                    chunk, decoded_tokens=text or None, status=GenerationStatus.END_OF_SEQUENCE
+                )
+                return
+            if chunk.status.is_done:
+                text += scanner.flush()
+            yield replace(chunk, decoded_tokens=text or None)
+    finally:
+        await chunks.aclose()
+
+
+def install(tokenizer_type: type) -> None:
+    """Routes stop strings of requests to `tokenizer_type`'s pipelines through `cut_at_stops`."""
+    original = TokenGeneratorPipeline.next_token_chunk
+    if not needed() or getattr(original, "cuts_at_stops", False):
+        return
+
+    async def next_token_chunk(
+        self: TokenGeneratorPipeline, request: Any, **kwargs: Any
+    ) -> AsyncGenerator[TokenGeneratorOutput, None]:
+        stops = request.sampling_params.stop
+        if not stops or not isinstance(self.tokenizer, tokenizer_type):
+            return await original(self, request, **kwargs)
+        request = replace(request, sampling_params=replace(request.sampling_params, stop=None))
+        chunks = await original(self, request, **kwargs)
+        return cut_at_stops(
+            chunks, StopScanner(stops), lambda: self.model_worker.cancel(request.request_id)
+        )
+
+    next_token_chunk.cuts_at_stops = True  # type: ignore[attr-defined]
+    TokenGeneratorPipeline.next_token_chunk = next_token_chunk  # type: ignore[method-assign]

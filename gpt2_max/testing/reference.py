@@ -1,0 +1,174 @@
+"""Hugging Face transformers as the reference: tiny random checkpoints and their exact outputs.
+
+A checkpoint is written by `gpt2_max.checkpoint` (the one hub-layout writer)
+and read back by transformers, which then says what any server of it must
+answer: the greedy tokens of a prompt and their log-probabilities.
+`save_transformers_layout` writes the other layout, with transformers itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from gpt2_max.checkpoint import (
+    TOKENIZER_DIR,
+    copy_tokenizer,
+    gguf_file_name,
+    random_hub_state_dict,
+    save_hub_checkpoint,
+)
+from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
+from gpt2_max.weights.gguf_names import block_part, hub_name
+from gpt2_max.weights.gguf_writer import CONV1D, write_gguf
+
+TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
+"""A GPT-2 small enough to compile and run quickly, with the real vocabulary."""
+
+REFERENCE_STD = 0.2
+"""Weight spread large enough that logits are spread out and greedy choices are
+not near-ties, so token-for-token comparisons are meaningful."""
+
+
+def random_state_dict(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Hub-layout random weights for a reference checkpoint."""
+    return random_hub_state_dict(config, seed=seed, std=REFERENCE_STD)
+
+
+def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random `TINY` GPT-2 (with `overrides`) in hub layout, with the real tokenizer."""
+    config = GPT2Config(**{**TINY, **overrides})
+    return save_hub_checkpoint(folder, config, random_state_dict(config, seed))
+
+
+def load_reference(folder: Path) -> GPT2LMHeadModel:
+    """transformers' own reading of the checkpoint in `folder`."""
+    return GPT2LMHeadModel.from_pretrained(folder).eval()
+
+
+def save_transformers_layout(model: GPT2LMHeadModel, folder: Path, shard: bool = False) -> Path:
+    """`save_pretrained` output: `transformer.` keys, optionally sharded with an index."""
+    model.save_pretrained(folder, max_shard_size="100KB" if shard else "10GB")
+    copy_tokenizer(folder)
+    return folder
+
+
+def sampleable(model: GPT2LMHeadModel) -> int:
+    """How many logits a server samples from: the ids the vendored tokenizer knows."""
+    return usable_vocab_size(model.config.vocab_size, GPT2_VOCAB_SIZE)
+
+
+def hf_greedy(
+    model: GPT2LMHeadModel, prompt: list[int], new_tokens: int
+) -> tuple[list[int], np.ndarray]:
+    """Greedy continuation through transformers' own KV cache.
+
+    Returns the tokens and their `[new_tokens, sampleable(model)]` logits.
+    """
+    vocab = sampleable(model)
+    tokens: list[int] = []
+    logits: list[np.ndarray] = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(new_tokens):
+            last = out.logits[0, -1, :vocab]
+            logits.append(last.numpy().copy())
+            tokens.append(int(last.argmax()))
+            out = model(
+                torch.tensor([[tokens[-1]]]),
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+    return tokens, np.stack(logits)
+
+
+def hf_prompt_logprobs(model: GPT2LMHeadModel, prompt: list[int]) -> list[float]:
+    """log P(prompt[i] | prompt[:i]) for i >= 1, as echo with logprobs reports them."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :, : sampleable(model)]
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    return [float(logprobs[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids drawn uniformly from GPT-2's vocabulary."""
+    return np.random.default_rng(seed).integers(0, GPT2_VOCAB_SIZE, length).tolist()
+
+
+@dataclass
+class Reference:
+    """What a server of `model`'s checkpoint must answer, for a test to assert."""
+
+    model: GPT2LMHeadModel
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """The `new_tokens` greedy (temperature 0) tokens after `prompt`."""
+        return hf_greedy(self.model, prompt, new_tokens)[0]
+
+    def greedy_logprobs(self, prompt: list[int], new_tokens: int) -> list[float]:
+        """The log-probability of each greedy token, as `logprobs` reports it."""
+        tokens, logits = hf_greedy(self.model, prompt, new_tokens)
+        logprobs = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+        return [float(logprobs[step, token]) for step, token in enumerate(tokens)]
+
+
+def stopped_text(text: str, stops: list[str]) -> tuple[str, bool]:
+    """OpenAI `stop`, read literally: generation halts once the text ends in a stop string.
+
+    Brute force, character by character, independent of `gpt2_max.stop`: the
+    text before the first stop to complete (the longer of two that complete
+    together), and whether one did.
+    """
+    for end in range(len(text) + 1):
+        done = [len(stop) for stop in stops if stop and text[:end].endswith(stop)]
+        if done:
+            return text[: end - max(done)], True
+    return text, False
+
+
+def hub_state(model: GPT2LMHeadModel) -> dict[str, np.ndarray]:
+    """The model's parameters under hub names, `[in, out]` Conv1D weights, tied head left out."""
+    return {
+        key.removeprefix("transformer."): value.detach().numpy().copy()
+        for key, value in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and key == "lm_head.weight")
+    }
+
+
+def save_gguf(model: GPT2LMHeadModel, folder: Path, file_type: str) -> Path:
+    """`model` as a llama.cpp GPT-2 GGUF of `file_type`, in a folder with its
+    `config.json` (the fields GGUF cannot carry come from there) and tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    path = write_gguf(
+        folder / gguf_file_name(file_type), config, hub_state(model), file_type, TOKENIZER_DIR
+    )
+    config.architectures = ["GPT2LMHeadModel"]
+    config.to_json_file(folder / "config.json")
+    copy_tokenizer(folder)
+    return path
+
+
+def hf_on_gguf_weights(model: GPT2LMHeadModel, path: Path) -> GPT2LMHeadModel:
+    """A copy of `model` whose parameters are the GGUF's, dequantized by `gguf`:
+    the reference for quantized files, so only the kernels' arithmetic differs."""
+    reference = copy.deepcopy(model)
+    params = reference.state_dict()
+    for tensor in gguf.GGUFReader(path).tensors:
+        name = hub_name(tensor.name)
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if array.ndim == 2 and block_part(name) in CONV1D:
+            array = array.T
+        key = name if name == "lm_head.weight" else f"transformer.{name}"
+        params[key] = torch.from_numpy(np.ascontiguousarray(array))
+    if model.config.tie_word_embeddings:
+        params["lm_head.weight"] = params["transformer.wte.weight"]
+    reference.load_state_dict(params)
+    return reference

@@ -1,0 +1,152 @@
+"""Runs `max serve` with the gpt2_max plugin on loopback, and stops all of it again.
+
+`max serve` is a process tree (API server, model worker, metrics), so it is
+started as the leader of its own process group and stopped as a group: a test
+or benchmark that ends leaves no worker behind holding memory or a port.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+MODEL_NAME = "gpt2"
+"""What requests name in `model`: servers started here are `--served-model-name` it."""
+
+STARTUP_TIMEOUT_S = 900
+"""Long enough for a cold graph compile on a small shared CPU."""
+
+STOP_TIMEOUT_S = 30
+"""How long the group gets to exit after SIGTERM before it is killed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
+    """The `max serve` command line that loads `model` through the gpt2_max plugin."""
+    return [
+        str(Path(sys.executable).with_name("max")), "serve",
+        "--custom-architectures", "gpt2_max",
+        "--model", str(model),
+        "--devices", devices,
+        *args,
+    ]
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the group `process` leads, SIGKILL if it lingers; returns once all are gone."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        # The leader may exit before its children: wait for the whole group.
+        while _group_alive(process) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(process):
+            break
+    process.wait()
+
+
+def _group_alive(leader: subprocess.Popen) -> bool:
+    """Whether any process of `leader`'s group still runs (zombies do not count)."""
+    leader.poll()
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == leader.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of a process and all its descendants, in bytes."""
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+@dataclass
+class Server:
+    url: str
+    """Base URL, `http://127.0.0.1:PORT`."""
+    pid: int
+    """The `max serve` process; its children are the model worker and friends."""
+    log: Path
+    """Its stdout and stderr."""
+    model: str = MODEL_NAME
+    """The name requests give in `model`."""
+
+    def kv_cache_bytes(self) -> float:
+        """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""
+        value, unit = re.findall(r"cache_memory: ([\d.]+) (\w+)", self.log.read_text())[-1]
+        return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+
+
+@contextmanager
+def max_serve(
+    model: Path,
+    *args: str,
+    log: Path,
+    devices: str = "cpu",
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """Starts `max serve` for `model` on a free port, yields it once it answers, stops it.
+
+    `args` are further `max serve` flags; the server's output goes to `log`.
+    """
+    port = free_port()
+    env = {
+        **os.environ,
+        "MAX_SERVE_METRICS_ENDPOINT_PORT": str(free_port()),
+        **(env or {}),
+    }
+    command = serve_command(
+        model,
+        "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        *args,
+        devices=devices,
+    )
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"max serve exited with {process.returncode}:\n{log.read_text()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield Server(url=url, pid=process.pid, log=log)
+    finally:
+        stop_process_group(process)

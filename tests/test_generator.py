@@ -1,0 +1,150 @@
+"""The in-process generator against Hugging Face transformers, and its request handling.
+
+One generator (session fixture) serves every test; prompts are random token ids
+or short texts, and greedy tokens are compared token for token with
+transformers' own cached decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2_max.stop import cut_at_stop
+from gpt2_max.testing.reference import hf_greedy, random_prompt
+
+NEW_TOKENS = 12
+
+
+def hf_tokens(hf_models, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    return hf_greedy(hf_models("default"), prompt, n)[0]
+
+
+def test_generate_matches_transformers(generator, hf_models):
+    for seed, length in enumerate((1, 7, 60)):
+        prompt = random_prompt(length, seed=100 + seed)
+        result = generator.generate(prompt, NEW_TOKENS, ignore_eos=True)
+        assert result.token_ids == hf_tokens(hf_models, prompt)
+        assert result.finish_reason == "length"
+        assert result.text == generator.decode(result.token_ids)
+
+
+def test_generate_batch_mixed_lengths_matches_transformers(generator, hf_models):
+    # Ten prompts: more than max_batch_size, so two ragged groups.
+    lengths = (1, 3, 17, 130, 9, 64, 2, 40, 5, 90)
+    prompts = [random_prompt(n, seed=200 + i) for i, n in enumerate(lengths)]
+    results = generator.generate_batch(prompts, NEW_TOKENS, ignore_eos=True)
+    assert [r.prompt_tokens for r in results] == list(lengths)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_tokens(hf_models, prompt)
+
+
+def test_stream_joins_to_generate_text(generator):
+    prompt = "The tokenizer splits naïve café 👋 into bytes and"
+    full = generator.generate(prompt, 40, ignore_eos=True)
+    pieces = list(generator.stream(prompt, 40, ignore_eos=True))
+    assert "".join(pieces) == full.text == generator.decode(full.token_ids)
+    assert len(pieces) > 10 and all(pieces)
+
+
+def test_stream_cancel_frees_the_row(generator, hf_models):
+    prompt = random_prompt(20, seed=3)
+    pieces = generator.stream(prompt, 200, ignore_eos=True)
+    next(pieces)
+    pieces.close()
+    assert generator.generate(prompt, NEW_TOKENS, ignore_eos=True).token_ids == hf_tokens(
+        hf_models, prompt
+    )
+
+
+def test_stop_strings_and_stop_tokens(generator):
+    prompt = random_prompt(10, seed=4)
+    full = generator.generate(prompt, 30, ignore_eos=True)
+    stop = full.text[len(full.text) // 2 :][:3]
+    stopped = generator.generate(prompt, 30, stop=[stop, "never-generated"])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == cut_at_stop(full.text, [stop])[0]
+    assert len(stopped.token_ids) < len(full.token_ids)
+    pieces = list(generator.stream(prompt, 30, stop=stop))
+    assert "".join(pieces) == stopped.text
+    stop_token = full.token_ids[5]
+    by_token = generator.generate(prompt, 30, stop_token_ids=[stop_token])
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+    assert by_token.finish_reason == "stop"
+
+
+def test_sampling_is_seeded(generator):
+    prompt = "Seeded sampling"
+    options = dict(temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
+    first = generator.generate(prompt, 24, seed=7, **options)
+    again = generator.generate(prompt, 24, seed=7, **options)
+    other = generator.generate(prompt, 24, seed=8, **options)
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != other.token_ids
+
+
+def test_logprobs_match_transformers(generator, hf_models):
+    prompt = random_prompt(15, seed=5)
+    result = generator.generate(prompt, NEW_TOKENS, ignore_eos=True, logprobs=2)
+    tokens, logits = hf_greedy(hf_models("default"), prompt, NEW_TOKENS)
+    expected = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    assert result.token_ids == tokens
+    np.testing.assert_allclose(
+        result.logprobs, expected[np.arange(NEW_TOKENS), tokens].numpy(), atol=1e-4, rtol=0
+    )
+    assert all(len(top) >= 2 for top in result.top_logprobs)
+
+
+def test_branches_share_one_prefill(generator, hf_models):
+    prompt = random_prompt(300, seed=6)
+    page = generator.page_size
+    shared = (len(prompt) - 1) // page * page
+    before = generator.model_steps
+    greedy = generator.branches(prompt, 3, NEW_TOKENS, ignore_eos=True)
+    # One prefill step, then one batched step per token advancing all branches.
+    assert generator.model_steps - before == 1 + NEW_TOKENS
+    # Every branch found the prompt's full pages cached by the single prefill ...
+    assert [b.cached_tokens for b in greedy] == [shared] * 3 and shared >= 256
+    # ... and the shared pages hold exactly what a prefill of its own computes.
+    assert all(b.token_ids == hf_tokens(hf_models, prompt) for b in greedy)
+    sampled = generator.branches(prompt, 4, 16, temperature=1.0, seed=11, ignore_eos=True)
+    assert [b.cached_tokens for b in sampled] == [shared] * 4
+    assert len({tuple(b.token_ids) for b in sampled}) == 4
+    again = generator.branches(prompt, 4, 16, temperature=1.0, seed=11, ignore_eos=True)
+    assert [b.token_ids for b in again] == [b.token_ids for b in sampled]
+
+
+def test_best_of_ranks_by_cumulative_logprob(generator):
+    best = generator.branches("Rank me", 2, 8, best_of=5, temperature=1.0, ignore_eos=True)
+    everyone = generator.branches("Rank me", 5, 8, temperature=1.0, ignore_eos=True, logprobs=1)
+    ranked = sorted((b.cumulative_logprob for b in everyone), reverse=True)
+    assert [b.cumulative_logprob for b in best] == pytest.approx(ranked[:2])
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda g: g.generate(""), ValueError),
+        (lambda g: g.generate([]), ValueError),
+        (lambda g: g.stream(""), ValueError),
+        (lambda g: g.generate(random_prompt(g.window + 10, seed=1)), ValueError),
+        (lambda g: g.generate("hi", tempreature=0.5), TypeError),
+        (lambda g: g.generate("hi", json_schema='{"type": "object", '), ValueError),
+        (lambda g: g.generate("hi", json_schema={"type": "integer", "minimum": 5,
+                                                 "maximum": 3}), ValueError),
+        (lambda g: g.generate("hi", regex="(unclosed"), ValueError),
+        (lambda g: g.generate("hi", grammar="start: undefined_rule"), ValueError),
+        (lambda g: g.generate("hi", regex="a", grammar='start: "a"'), ValueError),
+        (lambda g: g.generate("hi", max_new_tokens=0), ValueError),
+        (lambda g: g.branches("hi", 3, best_of=2), ValueError),
+    ],
+)
+def test_bad_input_raises_and_generator_stays_usable(generator, hf_models, call, error):
+    with pytest.raises(error) as raised:
+        call(generator)
+    assert str(raised.value)
+    prompt = random_prompt(8, seed=9)
+    assert generator.generate(prompt, 4, ignore_eos=True).token_ids == hf_tokens(
+        hf_models, prompt, 4
+    )

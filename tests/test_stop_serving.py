@@ -1,0 +1,54 @@
+"""`cut_at_stops` on MAX's token-chunk stream, without a server."""
+
+import asyncio
+import random
+
+from max.pipelines.context import GenerationStatus
+from max.serve.pipelines.llm import TokenGeneratorOutput
+
+from gpt2_max.stop import StopScanner
+from gpt2_max.stop_serving import cut_at_stops, needed
+from gpt2_max.testing.reference import stopped_text
+
+
+async def chunks_of(pieces: list[str], last: GenerationStatus, read: list[str]):
+    for i, piece in enumerate(pieces):
+        read.append(piece)
+        status = last if i == len(pieces) - 1 else GenerationStatus.ACTIVE
+        yield TokenGeneratorOutput(status=status, decoded_tokens=piece or None)
+
+
+def through_cut(pieces: list[str], stops: list[str]) -> tuple[str, GenerationStatus, int, int]:
+    """Text and final status the routes see, chunks read from MAX, and cancellations."""
+    read: list[str] = []
+    cancelled = []
+
+    async def run():
+        source = chunks_of(pieces, GenerationStatus.MAXIMUM_LENGTH, read)
+        return [c async for c in cut_at_stops(source, StopScanner(stops), lambda: cancelled.append(1))]
+
+    out = asyncio.run(run())
+    return "".join(c.decoded_tokens or "" for c in out), out[-1].status, len(read), len(cancelled)
+
+
+def test_chunks_are_cut_at_the_first_stop_and_nothing_after_it_is_read() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        pieces = ["".join(rng.choice("ab c") for _ in range(rng.randint(0, 3))) for _ in range(8)]
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 4))]
+        want, stopped = stopped_text("".join(pieces), stops)
+        text, status, read, cancelled = through_cut(pieces, stops)
+        assert text == want, (pieces, stops)
+        if stopped:
+            assert status == GenerationStatus.END_OF_SEQUENCE
+            complete = next(n for n in range(1, 9) if stopped_text("".join(pieces[:n]), stops)[1])
+            assert read == complete
+            assert cancelled == (complete < len(pieces))
+        else:
+            assert (status, read, cancelled) == (GenerationStatus.MAXIMUM_LENGTH, 8, 0)
+
+
+def test_only_max_releases_that_need_it_are_patched() -> None:
+    assert needed("26.7.0")
+    assert not needed("26.8.0")

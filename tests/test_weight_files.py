@@ -1,0 +1,21 @@
+"""Truncated safetensors files are refused by name before MAX maps them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpt2_max.testing.reference import write_tiny_checkpoint
+from gpt2_max.weight_files import IncompleteCheckpointError, check_complete
+
+
+def test_complete_checkpoint_passes(tmp_path):
+    check_complete(sorted(write_tiny_checkpoint(tmp_path).iterdir()))
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 4 / 21919480])
+def test_truncated_file_is_refused_naming_it(tmp_path, keep):
+    weights = write_tiny_checkpoint(tmp_path) / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(IncompleteCheckpointError, match="model.safetensors"):
+        check_complete([weights])
