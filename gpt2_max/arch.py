@@ -5,7 +5,7 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.modeling.types import PipelineTask
 
-from . import weight_adapters
+from .weights import gguf, safetensors
 from .batch_processor import GPT2BatchProcessor
 from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
@@ -28,7 +28,8 @@ gpt2_arch = SupportedArchitecture(
     context_type=TextContext,
     default_weights_format=WeightsFormat.safetensors,
     weight_adapters={
-        WeightsFormat.safetensors: weight_adapters.convert_safetensor_state_dict,
+        WeightsFormat.safetensors: safetensors.convert_safetensor_state_dict,
+        WeightsFormat.gguf: gguf.convert_gguf_state_dict,
     },
     task=PipelineTask.TEXT_GENERATION,
     config=GPT2ArchConfig,

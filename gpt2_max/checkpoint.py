@@ -17,7 +17,6 @@ metadata); `convert_to_gguf` turns an existing safetensors folder into one.
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +24,8 @@ from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
 
 from .model_config import feed_forward_size, ties_word_embeddings
-from .weights import gguf_writer
-
-TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+from .tokenizer import TOKENIZER_DIR, copy_tokenizer
+from .weights import gguf, gguf_writer
 
 PRESETS: dict[str, dict[str, int]] = {
     "distilgpt2": dict(n_layer=6, n_embd=768, n_head=12),
@@ -79,12 +76,6 @@ def random_hub_state_dict(
     return state
 
 
-def copy_tokenizer(folder: Path) -> None:
-    """Puts the vendored GPT-2 tokenizer files into `folder`."""
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(TOKENIZER_DIR / name, folder / name)
-
-
 def save_hub_checkpoint(folder: Path, config: GPT2Config, state: dict[str, np.ndarray]) -> Path:
     """Writes `state` (hub keys and layout) as a hub GPT-2 repository into `folder`.
 
@@ -116,14 +107,17 @@ def gguf_file_name(file_type: str) -> str:
 def write_gguf_checkpoint(
     folder: Path, config: GPT2Config, file_type: str, seed: int = 0, std: float = 0.02
 ) -> Path:
-    """Writes the same random weights as `write_checkpoint` as one GGUF file in `folder`."""
-    return gguf_writer.write_gguf(
+    """Writes the same random weights as `write_checkpoint` as one GGUF file in `folder`,
+    with the `config.json` and tokenizer files MAX needs beside it (from its metadata)."""
+    path = gguf_writer.write_gguf(
         folder / gguf_file_name(file_type),
         config,
         random_hub_state_dict(config, seed=seed, std=std),
         file_type,
         TOKENIZER_DIR,
     )
+    gguf.write_companion_files(path)
+    return path
 
 
 def convert_to_gguf(folder: Path, path: Path, file_type: str) -> Path:

@@ -2,7 +2,7 @@
 
 The module tree mirrors the Hugging Face checkpoint (`wte`, `wpe`, `h.{i}.attn.c_attn`,
 `h.{i}.mlp.c_fc`, `ln_f`, ...), so weights load under their own names; the one
-layout difference, Conv1D's `[in, out]` weights, is undone in `weight_adapters`.
+layout difference, Conv1D's `[in, out]` weights, is undone in `weights/`.
 
 A batch is ragged: the active tokens of every sequence are concatenated into one
 `[total_tokens]` stream and `input_row_offsets[b] : input_row_offsets[b + 1]` is
@@ -31,8 +31,9 @@ from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
-from .linear import SkinnyLinear, project
+from .linear import project
 from .model_config import GPT2ArchConfig
+from .quantized import linear
 
 # Write one layer's new keys / values (`[tokens, heads, head_dim]`) into the paged cache.
 store_k_cache_ragged = F.functional(kernels.store_k_cache_ragged)
@@ -65,8 +66,9 @@ class GPT2Attention(Module[..., Tensor]):
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale(layer_idx)
-        self.c_attn = SkinnyLinear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.c_proj = SkinnyLinear(config.hidden_size, config.hidden_size, bias=True)
+        prefix = f"h.{layer_idx}.attn"
+        self.c_attn = linear(config, f"{prefix}.c_attn", config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = linear(config, f"{prefix}.c_proj", config.hidden_size, config.hidden_size)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
@@ -91,10 +93,13 @@ class GPT2Attention(Module[..., Tensor]):
 class GPT2MLP(Module[[Tensor], Tensor]):
     """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
 
-    def __init__(self, config: GPT2ArchConfig) -> None:
+    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
         self.activation = config.activation
-        self.c_fc = SkinnyLinear(config.hidden_size, config.feed_forward_size, bias=True)
-        self.c_proj = SkinnyLinear(config.feed_forward_size, config.hidden_size, bias=True)
+        prefix = f"h.{layer_idx}.mlp"
+        self.c_fc = linear(config, f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
+        self.c_proj = linear(
+            config, f"{prefix}.c_proj", config.feed_forward_size, config.hidden_size
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(activation(self.activation, self.c_fc(x)))
@@ -108,7 +113,7 @@ class GPT2Block(Module[..., Tensor]):
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
         self.attn = GPT2Attention(config, layer_idx)
         self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, layer_idx)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
@@ -133,7 +138,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else SkinnyLinear(config.hidden_size, config.vocab_size, bias=False)
+            else linear(config, "lm_head", config.hidden_size, config.vocab_size, bias=False)
         )
 
     def logits(self, h: Tensor) -> Tensor:

@@ -1,11 +1,11 @@
 """The GPT-2 pipeline model: what MAX calls to build, compile and run GPT-2.
 
 `ModuleV3PipelineModelWithKVCache` owns the flow: it reads the weights through
-`weight_adapters`, asks `_create_model_config` for the config, builds the module
-under `F.lazy()` (so no placeholder weights are ever allocated), compiles it once
-with symbolic batch and sequence dimensions, and runs it every step on the
-`GPT2Inputs` that `GPT2BatchProcessor` prepares. `LogProbabilitiesMixin` adds
-log-probabilities from the logits the graph returns.
+the adapter of their format (`weights/`), asks `_create_model_config` for the
+config, builds the module under `F.lazy()` (so no placeholder weights are ever
+allocated), compiles it once with symbolic batch and sequence dimensions, and
+runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
+`LogProbabilitiesMixin` adds log-probabilities from the logits the graph returns.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
                 f"gpt2_max returns last-token or all logits, not {self.return_logits}."
             )
         return dataclasses.replace(
-            self.arch_config_as(GPT2ArchConfig), return_logits=self.return_logits
+            self.arch_config_as(GPT2ArchConfig),
+            return_logits=self.return_logits,
+            # GGUF blocks MAX multiplies packed arrive with their encoding set.
+            packed_weights={
+                name: weight.quantization_encoding
+                for name, weight in state_dict.items()
+                if weight.quantization_encoding is not None
+            },
         )
 
     def _instantiate_module(self, model_config: GPT2ArchConfig) -> GPT2:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from max.dtype import DType
 from max.graph import DeviceRef
+from max.graph.quantization import QuantizationEncoding
 from max.nn.kv_cache import KVCacheParams
 from max.nn.transformer import ReturnLogits
 from max.pipelines.kv_cache import cache_dtype_for_encoding
@@ -49,6 +50,9 @@ ACTIVATIONS: dict[str, str] = {
     "sigmoid": "sigmoid",
     "linear": "linear",
 }
+
+
+QUANTIZED_ENCODINGS: frozenset[SupportedEncoding] = frozenset({"q4_0", "q4_k", "q6_k"})
 
 
 GPT2_VOCAB_SIZE: int = GPT2Config().vocab_size
@@ -135,7 +139,10 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
-    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32"}
+    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32", "q4_0", "q4_k", "q6_k"}
+    """float32 from safetensors or F32/F16/BF16 GGUFs; MAX's CPU GGUF block encodings.
+    A GGUF's tensors keep their own types whatever the encoding (mixed files are
+    the norm); the encoding picks the file and the KV-cache dtype."""
 
     vocab_size: int
     usable_vocab_size: int
@@ -156,6 +163,8 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     devices: list[DeviceRef]
     kv_params: KVCacheParams
     return_logits: ReturnLogits = ReturnLogits.LAST_TOKEN
+    packed_weights: dict[str, QuantizationEncoding] = field(default_factory=dict)
+    """Parameters loaded as GGUF blocks, by name; the model builds packed layers for them."""
 
     def attention_scale(self, layer_idx: int) -> float:
         """The softmax scale of layer `layer_idx`, as transformers' GPT-2 applies it."""
@@ -231,7 +240,13 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
             tie_word_embeddings=ties_word_embeddings(hf),
             max_seq_len=max_seq_len,
-            dtype=supported_encoding_dtype(encoding),
+            # Activations and unpacked weights are float32 under every CPU
+            # encoding (a block encoding's own dtype, uint8, is its packing).
+            dtype=(
+                DType.float32
+                if encoding in QUANTIZED_ENCODINGS
+                else supported_encoding_dtype(encoding)
+            ),
             devices=devices,
             kv_params=cls.construct_kv_params(
                 huggingface_config=hf,

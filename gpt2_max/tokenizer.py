@@ -21,6 +21,8 @@ tokenizer before its pipeline, and the fix applies to this tokenizer's requests.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,17 @@ from transformers import PreTrainedTokenizerBase
 
 from . import stop_serving
 from .model_config import usable_vocab_size
+
+TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
+"""The real GPT-2 tokenizer, vendored so nothing needs the network."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def copy_tokenizer(folder: Path) -> None:
+    """Puts the vendored GPT-2 tokenizer files into `folder`."""
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER_DIR / name, folder / name)
+
 
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}"

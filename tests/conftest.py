@@ -96,18 +96,24 @@ def hf_models(
 
 @pytest.fixture(scope="session")
 def max_models() -> Iterator[Callable[[Path], AutoModel]]:
-    """A MAX model loaded in-process per checkpoint, batching up to 4 prompts."""
+    """A MAX model loaded in-process per checkpoint, batching up to 4 prompts.
+
+    A `.gguf` path is loaded from its folder with that file as the weights
+    (MAX picks GGUF files in a folder by name patterns only some names match).
+    """
     cache: dict[Path, AutoModel] = {}
 
-    def get(folder: Path) -> AutoModel:
-        if folder not in cache:
-            cache[folder] = AutoModel(
-                str(folder),
+    def get(path: Path) -> AutoModel:
+        if path not in cache:
+            weights = dict(weight_path=[str(path)]) if path.suffix == ".gguf" else {}
+            cache[path] = AutoModel(
+                str(path.parent if weights else path),
                 max_batch_size=4,
                 devices="cpu",
                 custom_architectures=["gpt2_max"],
+                **weights,
             )
-        return cache[folder]
+        return cache[path]
 
     yield get
     for model in cache.values():

@@ -8,16 +8,26 @@ answer: the greedy tokens of a prompt and their log-probabilities.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.checkpoint import copy_tokenizer, random_hub_state_dict, save_hub_checkpoint
+from gpt2_max.checkpoint import (
+    TOKENIZER_DIR,
+    copy_tokenizer,
+    gguf_file_name,
+    random_hub_state_dict,
+    save_hub_checkpoint,
+)
 from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
+from gpt2_max.weights.gguf_names import block_part, hub_name
+from gpt2_max.weights.gguf_writer import CONV1D, write_gguf
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
 """A GPT-2 small enough to compile and run quickly, with the real vocabulary."""
@@ -121,3 +131,44 @@ def stopped_text(text: str, stops: list[str]) -> tuple[str, bool]:
         if done:
             return text[: end - max(done)], True
     return text, False
+
+
+def hub_state(model: GPT2LMHeadModel) -> dict[str, np.ndarray]:
+    """The model's parameters under hub names, `[in, out]` Conv1D weights, tied head left out."""
+    return {
+        key.removeprefix("transformer."): value.detach().numpy().copy()
+        for key, value in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and key == "lm_head.weight")
+    }
+
+
+def save_gguf(model: GPT2LMHeadModel, folder: Path, file_type: str) -> Path:
+    """`model` as a llama.cpp GPT-2 GGUF of `file_type`, in a folder with its
+    `config.json` (the fields GGUF cannot carry come from there) and tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    path = write_gguf(
+        folder / gguf_file_name(file_type), config, hub_state(model), file_type, TOKENIZER_DIR
+    )
+    config.architectures = ["GPT2LMHeadModel"]
+    config.to_json_file(folder / "config.json")
+    copy_tokenizer(folder)
+    return path
+
+
+def hf_on_gguf_weights(model: GPT2LMHeadModel, path: Path) -> GPT2LMHeadModel:
+    """A copy of `model` whose parameters are the GGUF's, dequantized by `gguf`:
+    the reference for quantized files, so only the kernels' arithmetic differs."""
+    reference = copy.deepcopy(model)
+    params = reference.state_dict()
+    for tensor in gguf.GGUFReader(path).tensors:
+        name = hub_name(tensor.name)
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if array.ndim == 2 and block_part(name) in CONV1D:
+            array = array.T
+        key = name if name == "lm_head.weight" else f"transformer.{name}"
+        params[key] = torch.from_numpy(np.ascontiguousarray(array))
+    if model.config.tie_word_embeddings:
+        params["lm_head.weight"] = params["transformer.wte.weight"]
+    reference.load_state_dict(params)
+    return reference

@@ -13,7 +13,6 @@ tokenizer goes into the file's metadata, so the file alone is a servable model.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,44 +22,12 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType
 from transformers import GPT2Config
 
+from .gguf_names import block_part, gguf_name
 from .gguf_quants import QK_K, quantize
-
-HUB_TO_GGUF: dict[str, str] = {
-    "wte.weight": "token_embd.weight",
-    "wpe.weight": "position_embd.weight",
-    "ln_f.weight": "output_norm.weight",
-    "ln_f.bias": "output_norm.bias",
-    "lm_head.weight": "output.weight",
-}
-"""Hub names outside the blocks, and their llama.cpp names."""
-
-HUB_BLOCK_TO_GGUF: dict[str, str] = {
-    "ln_1": "attn_norm",
-    "attn.c_attn": "attn_qkv",
-    "attn.c_proj": "attn_output",
-    "ln_2": "ffn_norm",
-    "mlp.c_fc": "ffn_up",
-    "mlp.c_proj": "ffn_down",
-}
-"""Hub names inside block N (`h.N.<name>.weight|bias`) -> `blk.N.<name>.weight|bias`."""
+from .safetensors import CAUSAL_MASK_BUFFERS
 
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """Block layers the hub stores `[in, out]`; GGUF stores them `[out, in]`."""
-
-_BLOCK = re.compile(r"h\.(\d+)\.(.+)\.(weight|bias)")
-_MASKS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
-
-
-def gguf_name(hub_name: str) -> str:
-    """The llama.cpp name of a hub-layout GPT-2 tensor."""
-    if hub_name in HUB_TO_GGUF:
-        return HUB_TO_GGUF[hub_name]
-    match = _BLOCK.fullmatch(hub_name)
-    if not match or match.group(2) not in HUB_BLOCK_TO_GGUF:
-        raise KeyError(f"{hub_name!r} is not a GPT2LMHeadModel parameter")
-    layer, part, kind = match.groups()
-    return f"blk.{layer}.{HUB_BLOCK_TO_GGUF[part]}.{kind}"
-
 
 def _use_more_bits(layer: int, n_layer: int) -> bool:
     """llama.cpp's choice of the layers that get more bits in `_M` mixes."""
@@ -149,6 +116,54 @@ def add_tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None
     gguf.SpecialVocab(tokenizer_dir, load_merges=True).add_to_gguf(writer, quiet=True)
 
 
+def gguf_tensors(
+    config: GPT2Config, hub_state: dict[str, np.ndarray], file_type: str
+) -> dict[str, tuple[np.ndarray, Q]]:
+    """`hub_state` (hub names and layout, float) as llama.cpp tensors: name ->
+    (float32/float16 array or uint8 blocks `[rows, row_bytes]`, type)."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown GGUF type {file_type!r}; expected one of {sorted(FILE_TYPES)}")
+    tensors: dict[str, np.ndarray] = {}
+    for hub_name, array in hub_state.items():
+        hub_name = hub_name.removeprefix("transformer.")
+        if CAUSAL_MASK_BUFFERS.fullmatch(hub_name):
+            continue
+        if hub_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", True):
+            continue
+        array = np.asarray(array, dtype=np.float32)
+        if array.ndim == 2 and block_part(hub_name) in CONV1D:
+            array = np.ascontiguousarray(array.T)
+        tensors[gguf_name(hub_name)] = array
+    has_output = "output.weight" in tensors
+    typed = {}
+    for name, array in tensors.items():
+        qtype = tensor_type(name, array.shape, file_type, config.n_layer, has_output)
+        typed[name] = (quantize(array, qtype), qtype)
+    return typed
+
+
+def write_tensors(
+    path: Path,
+    config: GPT2Config,
+    tensors: dict[str, tuple[np.ndarray, Q]],
+    file_type: str,
+    tokenizer_dir: Path,
+    architecture: str = "gpt2",
+) -> Path:
+    """Writes GPT-2 metadata, the tokenizer and `tensors` (see `gguf_tensors`) to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, architecture)
+    add_gpt2_metadata(writer, config, file_type)
+    add_tokenizer_metadata(writer, tokenizer_dir)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_gguf(
     path: Path,
     config: GPT2Config,
@@ -157,32 +172,5 @@ def write_gguf(
     tokenizer_dir: Path,
 ) -> Path:
     """Writes `hub_state` (hub names and layout, float) as a llama.cpp GPT-2 GGUF."""
-    if file_type not in FILE_TYPES:
-        raise ValueError(f"unknown GGUF type {file_type!r}; expected one of {sorted(FILE_TYPES)}")
-    tensors: dict[str, np.ndarray] = {}
-    for hub_name, array in hub_state.items():
-        hub_name = hub_name.removeprefix("transformer.")
-        if _MASKS.fullmatch(hub_name):
-            continue
-        if hub_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", True):
-            continue
-        array = np.asarray(array, dtype=np.float32)
-        block = _BLOCK.fullmatch(hub_name)
-        if block and block.group(2) in CONV1D and block.group(3) == "weight":
-            array = np.ascontiguousarray(array.T)
-        tensors[gguf_name(hub_name)] = array
-    has_output = "output.weight" in tensors
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(path, "gpt2")
-    add_gpt2_metadata(writer, config, file_type)
-    add_tokenizer_metadata(writer, tokenizer_dir)
-    for name, array in tensors.items():
-        qtype = tensor_type(name, array.shape, file_type, config.n_layer, has_output)
-        data = quantize(array, qtype)
-        writer.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
+    tensors = gguf_tensors(config, hub_state, file_type)
+    return write_tensors(path, config, tensors, file_type, tokenizer_dir)

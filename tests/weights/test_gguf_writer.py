@@ -23,7 +23,8 @@ from gpt2_max.checkpoint import (
     write_checkpoint,
 )
 from gpt2_max.weights.gguf_quants import quantize
-from gpt2_max.weights.gguf_writer import gguf_name, write_gguf
+from gpt2_max.weights.gguf_names import gguf_name
+from gpt2_max.weights.gguf_writer import write_gguf
 
 # K formats need rows of a multiple of 256 values.
 MASK = re.compile(r"h\.\d+\.attn\.bias")

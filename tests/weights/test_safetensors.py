@@ -15,13 +15,13 @@ from max.graph.weights import load_weights
 from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
 
-from gpt2_max.weight_adapters import CheckpointError, convert_safetensor_state_dict
 from gpt2_max.testing.reference import (
     TINY,
     load_reference,
     save_transformers_layout,
     write_tiny_checkpoint,
 )
+from gpt2_max.weights.safetensors import CheckpointError, convert_safetensor_state_dict
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

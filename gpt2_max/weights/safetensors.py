@@ -25,7 +25,7 @@ import numpy as np
 from max.dtype import DType
 from max.graph.weights import WeightData, Weights
 
-from .model_config import feed_forward_size, ties_word_embeddings
+from ..model_config import feed_forward_size, ties_word_embeddings
 
 CONV1D_WEIGHTS = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 """Weights stored by transformers' `Conv1D` as `[in_features, out_features]`."""

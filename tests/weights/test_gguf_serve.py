@@ -1,0 +1,88 @@
+"""End to end: `max serve` on GGUF folders, a mixed quantized file and broken ones."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config
+
+from gpt2_max.checkpoint import TOKENIZER_DIR, random_hub_state_dict
+from gpt2_max.weights.gguf_writer import gguf_tensors, write_tensors
+from gpt2_max.testing.load import LoadRequest, run_load
+from gpt2_max.testing.reference import hf_on_gguf_weights, random_prompt, save_gguf
+from gpt2_max.testing.server import max_serve, serve_command
+
+MAX_TOKENS = 24
+
+
+def greedy(url: str, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    requests = [
+        LoadRequest(i, tuple(p), MAX_TOKENS, stream=i % 2 == 1) for i, p in enumerate(prompts)
+    ]
+    report = run_load(url, requests, concurrency=concurrency)
+    assert report.failed == {}
+    return [report.completed[r.index] for r in requests]
+
+
+def test_q4_k_m_mix_answers_8_concurrent_requests(quantized_model, gguf_files, tmp_path):
+    """Q4_K/Q6_K tensors run packed, the Q5_K ones dequantized at load; the
+    folder holds `gpt2-q4_k_m.gguf`, which MAX finds by name."""
+    path = gguf_files(quantized_model, "q4_k_m")
+    prompts = [random_prompt(n, seed=200 + n) for n in (1, 6, 17, 30, 64, 100, 150, 250)]
+    with max_serve(path.parent, "--max-batch-size", "8", log=tmp_path / "server.log") as server:
+        together = greedy(server.url, prompts, concurrency=8)
+        alone = greedy(server.url, prompts[:2], concurrency=1)
+    log = (tmp_path / "server.log").read_text()
+    assert "dequantized to float32 at load" in log and "attn_qkv.weight (Q5_K)" in log
+    assert together[:2] == alone  # batching does not change a request's tokens
+    reference = hf_on_gguf_weights(quantized_model, path)
+    agree = []
+    for prompt, answer in zip(prompts, together, strict=True):
+        assert len(answer) == MAX_TOKENS
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + answer])).logits[0]
+        predicted = logits[len(prompt) - 1 : -1].argmax(-1).numpy()
+        agree.append(predicted == np.asarray(answer))
+    # Same bound as the per-encoding parity tests (measured 0.94 here).
+    assert np.mean(np.concatenate(agree)) >= 0.80
+
+
+def damage(folder, how: str) -> None:
+    """Replaces the folder's GGUF with a broken one."""
+    (path,) = folder.glob("*.gguf")
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return
+    config = GPT2Config.from_pretrained(folder)
+    tensors = gguf_tensors(config, random_hub_state_dict(config), "f32")
+    if how == "wrong-shape":
+        tensors["output_norm.bias"] = (np.zeros(7, np.float32), tensors["output_norm.bias"][1])
+    architecture = "llama" if how == "llama" else "gpt2"
+    write_tensors(path, config, tensors, "f32", TOKENIZER_DIR, architecture)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "gpt2-f32.gguf"),
+        ("llama", "this GGUF holds a 'llama' model"),
+        ("wrong-shape", "tensor 'output_norm.bias' has shape (7,); the config implies (64,)"),
+    ],
+)
+def test_broken_gguf_stops_the_server_naming_the_problem(hf_models, tmp_path, how, message):
+    folder = tmp_path / "broken"
+    save_gguf(hf_models("default"), folder, "f32")
+    damage(folder, how)
+    start = time.monotonic()
+    result = subprocess.run(
+        serve_command(folder, "--host", "127.0.0.1", "--port", "0"),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert time.monotonic() - start < 300
