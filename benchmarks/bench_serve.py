@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serve.py            # gpt2-small shape, 3 repetitions
     python benchmarks/bench_serve.py --preset distilgpt2 --repeat 1 --quick
+    python benchmarks/bench_serve.py --peer llama.cpp --gguf-types q4_k,q6_k,f16
 
 Scenarios, each on a random-weight checkpoint of the chosen preset (float32):
 
@@ -16,10 +17,33 @@ server's process tree. Hugging Face transformers (torch, KV cache) runs the same
 prompts in the same run, idle server beside it, and every MAX output is checked
 against its greedy tokens: exact, or diverging only at a near-tie (top two HF
 logits within 0.01, where float32 summation order decides), or a MISMATCH.
+Every output also gets a top-1 agreement: the fraction of its tokens that are
+HF's argmax given the same prefix, teacher-forced on the engine's own tokens
+(one HF forward pass), which tells outputs that part from HF's greedy path at a
+close call (high) from garbage (about one in the vocabulary).
+
+GGUF rows: the same checkpoint written as a GGUF of each `--gguf-types` type is
+served from that file (`--weight-path`) and runs scenarios a and c. Their HF is
+float32 on the file's weights dequantized by the `gguf` package, so only the
+engines' arithmetic differs from it; for block-quantized types that is not
+float32-exact by design (MAX's `qmatmul` quantizes activations to 8 bits per
+block, llama.cpp its own way), so their greedy tokens are expected to part from
+HF's (MISMATCH); their top-1 agreement, beside llama.cpp's on the same file, is
+the figure to read. The random weights (std 0.2) make large activations, whose
+8-bit rounding moves the argmax often: both engines' top-1 on 4- and 6-bit files
+is modest, and a broken kernel would score about nothing.
+Beside each type, the server tree's peak RSS at `--max-batch-size 8`.
+
+With `--peer llama.cpp` the same prompts also run in llama.cpp, in-process on
+the same GGUF file (F32 for the float rows) with the same threads. Its CPU
+arithmetic is not float32-exact either (see `llama_cpp_peer`): the report
+includes its teacher-forced logits against HF's on a 512-token prompt.
+
 Results are medians over `--repeat` runs, printed as a table and written as
-JSON to `benchmarks/results/`; the checkpoint is kept in the user's cache
-folder and the server logs and cold-start compile cache go to a temporary one.
-Shared, noisy machines: read the ratios to HF, not the absolute numbers.
+JSON to `benchmarks/results/`; the checkpoints (safetensors and GGUF) are kept
+in the user's cache folder and the server logs and cold-start compile cache go
+to a temporary one. Shared, noisy machines: read the ratios, not the absolute
+numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +57,7 @@ import statistics
 import tempfile
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +67,17 @@ import llama_cpp_peer
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.checkpoint import convert_to_gguf, preset_config, write_checkpoint
+from gpt2_max.checkpoint import convert_to_gguf, gguf_file_name, preset_config, write_checkpoint
 from gpt2_max.testing.load import GREEDY
-from gpt2_max.testing.reference import hf_greedy, random_prompt
-from gpt2_max.testing.server import MODEL_NAME, max_serve, tree_rss
+from gpt2_max.testing.reference import (
+    hf_greedy,
+    hf_on_gguf_weights,
+    random_prompt,
+    sampleable,
+)
+from gpt2_max.testing.server import MODEL_NAME, Server, max_serve, tree_rss
+from gpt2_max.weights.gguf import write_companion_files
+from gpt2_max.weights.gguf_writer import FILE_TYPES
 
 RESULTS = Path(__file__).parent / "results"
 """The reports, and nothing else."""
@@ -55,6 +87,15 @@ NEW_TOKENS = 128
 NEAR_TIE = 0.01
 """A greedy choice whose top-two HF logits differ by less than this is a coin toss
 between float32 implementations (different summation orders), not a bug."""
+THREADS = os.cpu_count() or 1
+"""Every engine gets every core."""
+SERVE_ARGS = ("--max-batch-size", "32")
+"""How the measured servers run (the RSS servers set their own batch size)."""
+GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
+"""The scenarios each GGUF type runs: one request, and eight at once."""
+GGUF_RSS_BATCH_SIZE = 8
+LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
+"""Where llama.cpp's logits are compared with HF's, teacher-forced on one 512-token prompt."""
 
 
 class PeakRss:
@@ -81,6 +122,17 @@ class PeakRss:
 
 
 # ---- MAX, through the OpenAI API ------------------------------------------------
+
+
+def serve(
+    weights: Path, *args: str, devices: str, log: Path, env: dict | None = None
+) -> AbstractContextManager[Server]:
+    """`max serve` of a checkpoint folder, or of one `.gguf` file from its folder (named
+    with `--weight-path`: MAX picks GGUFs in a folder by name patterns only some match)."""
+    if weights.suffix == ".gguf":
+        args = ("--weight-path", str(weights), *args)
+        weights = weights.parent
+    return max_serve(weights, *args, log=log, devices=devices, env=env)
 
 
 async def stream_one(api: AsyncOpenAI, tokens: list[int], max_tokens: int) -> dict:
@@ -127,6 +179,19 @@ def run_hf(model: GPT2LMHeadModel, prompts: list[list[int]], max_tokens: int) ->
     return {"tokens": [row[width:].tolist() for row in out], "wall": wall}
 
 
+def hf_logits(model: GPT2LMHeadModel, tokens: list[int]) -> np.ndarray:
+    """HF's next-token logits after every prefix of `tokens`, in one forward pass."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, :, : sampleable(model)].numpy()
+
+
+def top1(model: GPT2LMHeadModel, prompt_tokens: list[int], ours: list[int]) -> float:
+    """The fraction of `ours` that are HF's argmax after the same prefix, teacher-forced
+    on `ours` itself, so one early divergence does not decide every later position."""
+    logits = hf_logits(model, prompt_tokens + ours)[len(prompt_tokens) - 1 : -1]
+    return float(np.mean(logits.argmax(-1) == np.asarray(ours)))
+
+
 def agreement(model: GPT2LMHeadModel, prompt_tokens: list[int], ours: list[int]) -> str:
     """`exact`, `near-tie` (first divergence where HF's top two logits are within
     NEAR_TIE), or `MISMATCH`, against HF's own one-sequence greedy decode."""
@@ -140,6 +205,15 @@ def agreement(model: GPT2LMHeadModel, prompt_tokens: list[int], ours: list[int])
         if top2[1] - top2[0] < NEAR_TIE:
             return "near-tie"
     return "MISMATCH"
+
+
+def verdicts(model: GPT2LMHeadModel, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+    """`checks` (greedy agreement) and `top1` of each output, for one engine."""
+    pairs = list(zip(prompts, outputs, strict=True))
+    return {
+        "checks": [agreement(model, p, o) for p, o in pairs],
+        "top1": [top1(model, p, o) for p, o in pairs],
+    }
 
 
 def hf_decode_rate(model: GPT2LMHeadModel, tokens: list[int], steps: int = 64) -> float:
@@ -170,17 +244,17 @@ def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
 
 
 def measure(
-    url: str, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None, quick: bool,
-    repetition: int,
+    url: str, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None,
+    prompts_by_scenario: dict[str, list[list[int]]],
 ) -> dict:
-    """One repetition of every scenario: MAX, HF, then the peer if there is one."""
+    """One repetition of each scenario: MAX, HF, then the peer if there is one; every
+    output is checked against `hf`."""
     row: dict[str, dict] = {}
-    for name, prompts in scenarios(quick, repetition).items():
+    for name, prompts in prompts_by_scenario.items():
         new = 1 if name.startswith("d_") else NEW_TOKENS
         ours = asyncio.run(run_max(url, prompts, new))
         ref = run_hf(hf, prompts, new)
         theirs = peer.greedy(prompts, new) if peer else None
-        checks = [agreement(hf, p, o["tokens"]) for p, o in zip(prompts, ours, strict=True)]
         if name.startswith("d_"):
             units = len(prompts[0])  # prompt tokens processed
         else:
@@ -190,23 +264,28 @@ def measure(
             "max_tok_s": units / max_wall,
             "hf_tok_s": units / ref["wall"],
             "ttft_s": statistics.median(o["arrivals"][0] for o in ours),
-            "checks": checks,
+            **verdicts(hf, prompts, [o["tokens"] for o in ours]),
         }
         if theirs:
             row[name]["peer_tok_s"] = units / theirs["wall"]
-            row[name]["peer_checks"] = [
-                agreement(hf, p, t) for p, t in zip(prompts, theirs["tokens"], strict=True)
-            ]
+            row[name].update(
+                (f"peer_{key}", value)
+                for key, value in verdicts(hf, prompts, theirs["tokens"]).items()
+            )
+    return row
+
+
+def context_ratio(url: str, hf: GPT2LMHeadModel, repetition: int) -> dict:
+    """Scenario e: decode speed at 900 tokens of context over that at 16, MAX and HF."""
     seed = 1000 * repetition + 4
     short_prompt, long_prompt = random_prompt(16, seed), random_prompt(900, seed + 1)
     short = asyncio.run(run_max(url, [short_prompt], NEW_TOKENS))
     long = asyncio.run(run_max(url, [long_prompt], 120))
     hf_ratio = hf_decode_rate(hf, long_prompt) / hf_decode_rate(hf, short_prompt)
-    row["e_decode_900_over_16"] = {
+    return {"e_decode_900_over_16": {
         "max_ratio": decode_rate(long[0]["arrivals"]) / decode_rate(short[0]["arrivals"]),
         "hf_ratio": hf_ratio,
-    }
-    return row
+    }}
 
 
 def concurrency_sweep(url: str, levels: list[int]) -> dict[int, float]:
@@ -220,54 +299,148 @@ def concurrency_sweep(url: str, levels: list[int]) -> dict[int, float]:
 
 
 def median_table(runs: list[dict]) -> dict:
+    """Per scenario, the median of each figure over the runs, and every run's checks."""
     out: dict[str, dict] = {}
     for name in runs[0]:
         out[name] = {
-            key: (sum((r[name][key] for r in runs), []) if key.endswith("checks")
+            key: (sum((r[name][key] for r in runs), []) if isinstance(value, list)
                   else statistics.median(r[name][key] for r in runs))
-            for key in runs[0][name]
+            for key, value in runs[0][name].items()
         }
     return out
 
 
-def tally(checks: list[str]) -> str:
-    return ", ".join(f"{checks.count(c)} {c}" for c in sorted(set(checks)))
+def tally(m: dict, prefix: str = "") -> str:
+    """How one engine's outputs compare with HF's: greedy verdicts, then mean top-1."""
+    checks = m[f"{prefix}checks"]
+    return (", ".join(f"{checks.count(c)} {c}" for c in sorted(set(checks)))
+            + f", top-1 {statistics.mean(m[f'{prefix}top1']):.3f}")
 
 
-def print_table(table: dict, startup: dict, sweep: dict[int, float], rss: dict) -> None:
-    print(f"\n{'scenario':<22}{'MAX tok/s':>12}{'HF tok/s':>12}{'MAX/HF':>9}"
+def print_table(tables: dict[str, dict]) -> None:
+    """One row per scenario of each table, labelled with the table's name."""
+    print(f"\n{'scenario':<28}{'MAX tok/s':>12}{'HF tok/s':>12}{'MAX/HF':>9}"
           f"{'llama.cpp':>12}{'MAX/llama':>11}{'TTFT s':>9}  outputs vs HF greedy")
-    for name, m in table.items():
-        if "max_tok_s" in m:
+    for label, table in tables.items():
+        for name, m in table.items():
+            name = f"{label} {name}".strip()
+            if "max_tok_s" not in m:
+                print(f"{name:<28}{'MAX ' + format(m['max_ratio'], '.2f'):>12}"
+                      f"{'HF ' + format(m['hf_ratio'], '.2f'):>12}")
+                continue
             peer = (f"{m['peer_tok_s']:>12.1f}{m['max_tok_s'] / m['peer_tok_s']:>11.2f}"
                     if "peer_tok_s" in m else f"{'-':>12}{'-':>11}")
-            print(f"{name:<22}{m['max_tok_s']:>12.1f}{m['hf_tok_s']:>12.1f}"
+            print(f"{name:<28}{m['max_tok_s']:>12.1f}{m['hf_tok_s']:>12.1f}"
                   f"{m['max_tok_s'] / m['hf_tok_s']:>9.2f}{peer}{m['ttft_s']:>9.3f}  "
-                  f"MAX: {tally(m['checks'])}"
-                  + (f"; llama.cpp: {tally(m['peer_checks'])}" if "peer_checks" in m else ""))
-        else:
-            print(f"{name:<22}{'MAX ' + format(m['max_ratio'], '.2f'):>12}"
-                  f"{'HF ' + format(m['hf_ratio'], '.2f'):>12}")
+                  f"MAX: {tally(m)}"
+                  + (f"; llama.cpp: {tally(m, 'peer_')}" if "peer_checks" in m else ""))
+
+
+def print_report(result: dict) -> None:
+    gguf = result["gguf"]
+    print_table({"": result["median"], **{t: g["median"] for t, g in gguf.items()}})
+    print("\ntop-1: fraction of generated tokens that are HF's argmax after the same prefix, "
+          "teacher-forced on the engine's own tokens.")
+    if gguf:
+        print("GGUF rows: HF is float32 on the file's weights dequantized by `gguf`. For "
+              "block-quantized types exact agreement is not expected: MAX's qmatmul quantizes "
+              "activations to 8 bits per block, llama.cpp its own way, so greedy paths part "
+              "from HF's (MISMATCH); compare the engines' top-1 on the same file.")
+    check = result["llama_cpp_logit_check"]
+    if check:
+        print(f"llama.cpp vs HF logits, F32 file, teacher-forced on a {check['tokens']}-token "
+              "prompt: max |delta| at position " + ", ".join(
+                  f"{p}: {d:.3f}" for p, d in check["max_abs_diff_at"].items())
+              + f"; median over positions {check['median_max_abs_diff']:.3f} "
+              f"(HF logit std {check['reference_logit_std']:.2f}); argmax agreement "
+              f"{check['argmax_agreement']:.3f}. Its GELU reads a float16 table; that error, "
+              "not the comparison, is what its MISMATCH outputs show.")
+    startup = result["startup"]
     print(f"\nserver start: cold {startup['cold_s']:.1f} s, warm {startup['warm_s']:.1f} s; "
           f"peak RSS of the server tree {startup['peak_rss_gb']:.2f} GB")
     print("concurrency sweep (16-token prompts, 64 new tokens): " + ", ".join(
-        f"{n}: {rate:.0f} tok/s" for n, rate in sweep.items()))
+        f"{n}: {rate:.0f} tok/s" for n, rate in result["concurrency_sweep"].items()))
+    rss = result["rss_by_max_batch_size"]
     if rss:
         print("peak RSS of the server tree at full load, by --max-batch-size: " + ", ".join(
             f"{n}: {gb:.2f} GB" for n, gb in rss.items()))
+    if gguf:
+        peaks = {"float32": rss.get(GGUF_RSS_BATCH_SIZE)}
+        peaks.update((t, g["peak_rss_gb"]) for t, g in gguf.items())
+        print(f"peak RSS of the server tree at full load, --max-batch-size "
+              f"{GGUF_RSS_BATCH_SIZE}, by weights: " + ", ".join(
+                  f"{name}: {gb:.2f} GB" for name, gb in peaks.items() if gb is not None))
 
 
-def rss_by_batch_size(checkpoint: Path, sizes: list[int], devices: str, scratch: Path) -> dict:
+def rss_by_batch_size(weights: Path, sizes: list[int], devices: str, scratch: Path) -> dict:
     """Peak server-tree RSS with `--max-batch-size n` while n requests decode at once."""
     peaks = {}
     for n in sizes:
-        with max_serve(checkpoint, "--max-batch-size", str(n), devices=devices,
-                       log=scratch / f"server-rss-{n}.log") as server:
+        with serve(weights, "--max-batch-size", str(n), devices=devices,
+                   log=scratch / f"server-{weights.stem}-rss-{n}.log") as server:
             rss = PeakRss(server.pid)
             prompts = [random_prompt(16, 200_000 + 100 * n + i) for i in range(n)]
             asyncio.run(run_max(server.url, prompts, 64))
             peaks[n] = rss.stop() / 1e9
     return peaks
+
+
+def gguf_file(checkpoint: Path, file_type: str) -> Path:
+    """The checkpoint's weights as a GGUF of `file_type`, written once into a servable
+    folder beside it, with the `config.json` and tokenizer files written from its metadata."""
+    path = checkpoint.with_name(f"{checkpoint.name}-gguf") / gguf_file_name(file_type)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")  # an interrupted write is not cached
+        convert_to_gguf(checkpoint, partial, file_type)
+        partial.rename(path)
+        write_companion_files(path)
+    return path
+
+
+def llama_cpp(
+    enabled: bool, checkpoint: Path, file_type: str
+) -> AbstractContextManager[llama_cpp_peer.LlamaCpp | None]:
+    """The llama.cpp peer on the checkpoint's GGUF of `file_type`, sized for the
+    scenarios, or nothing when not asked for."""
+    if not enabled:
+        return nullcontext()
+    gguf = gguf_file(checkpoint, file_type)
+    return llama_cpp_peer.LlamaCpp(gguf, threads=THREADS, n_ctx=2048, max_seqs=8)
+
+
+def llama_cpp_logit_check(hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp) -> dict:
+    """llama.cpp's logits on the F32 file against HF's, teacher-forced on one long prompt."""
+    prompt = random_prompt(LOGIT_CHECK_POSITIONS[-1] + 1, seed=7)
+    return llama_cpp_peer.logit_gap(peer, prompt, hf_logits(hf, prompt), LOGIT_CHECK_POSITIONS)
+
+
+def measure_gguf(
+    checkpoint: Path, file_type: str, hf: GPT2LMHeadModel, args: argparse.Namespace,
+    scratch: Path,
+) -> dict:
+    """Scenarios a and c served from the checkpoint's GGUF of `file_type`, beside HF on its
+    dequantized weights and llama.cpp on the file itself, then the server's RSS at the
+    batch size of c."""
+    path = gguf_file(checkpoint, file_type)
+    reference = hf_on_gguf_weights(hf, path)
+    with (
+        llama_cpp(bool(args.peer), checkpoint, file_type) as peer,
+        serve(path, *SERVE_ARGS, devices=args.devices,
+              log=scratch / f"server-{path.stem}.log") as server,
+    ):
+        runs = [
+            measure(server.url, reference, peer, {
+                name: prompts for name, prompts in scenarios(args.quick, repetition).items()
+                if name in GGUF_SCENARIOS
+            })
+            for repetition in range(args.repeat)
+        ]
+    rss = rss_by_batch_size(path, [GGUF_RSS_BATCH_SIZE], args.devices, scratch)
+    return {
+        "file": path.name, "median": median_table(runs), "runs": runs,
+        "peak_rss_gb": rss[GGUF_RSS_BATCH_SIZE],
+    }
 
 
 def main() -> None:
@@ -279,55 +452,59 @@ def main() -> None:
     parser.add_argument("--sweep", default="1,2,4,8,16,32")
     parser.add_argument("--peer", choices=["llama.cpp"], help="also run this engine")
     parser.add_argument("--rss-batch-sizes", default="1,8,32")
+    parser.add_argument(
+        "--gguf-types", default="q4_k,q6_k,f16",
+        help="GGUF types to serve scenarios a and c from ('' for none)",
+    )
     args = parser.parse_args()
     if args.peer and not llama_cpp_peer.available():
         parser.error('--peer llama.cpp needs llama-cpp-python: pip install -e ".[bench]"')
+    gguf_types = [t for t in args.gguf_types.split(",") if t]
+    if unknown := sorted(set(gguf_types) - set(FILE_TYPES)):
+        parser.error(f"unknown --gguf-types {unknown}; known: {sorted(FILE_TYPES)}")
 
-    torch.set_num_threads(os.cpu_count() or 1)  # every engine gets every core
+    torch.set_num_threads(THREADS)
     RESULTS.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpt2-max-bench-"))
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
     hf = GPT2LMHeadModel.from_pretrained(checkpoint).eval()
-    threads = os.cpu_count() or 1
-    peer = None
-    if args.peer:
-        gguf = CHECKPOINTS / f"checkpoint-{args.preset}-f32.gguf"
-        if not gguf.exists():
-            convert_to_gguf(checkpoint, gguf, "f32")
-        peer = llama_cpp_peer.LlamaCpp(gguf, threads=threads, n_ctx=2048, max_seqs=8)
-    serve_args = ["--max-batch-size", "32"]
 
     startup: dict[str, float] = {}
     cold_cache = scratch / "cold-cache"  # empty, so the first start compiles from nothing
     for label, env in (("cold_s", {"XDG_CACHE_HOME": str(cold_cache)}), ("warm_s", {})):
         start = time.perf_counter()
-        with max_serve(checkpoint, *serve_args, log=scratch / f"server-{label}.log",
-                       devices=args.devices, env=env):
+        with serve(checkpoint, *SERVE_ARGS, log=scratch / f"server-{label}.log",
+                   devices=args.devices, env=env):
             startup[label] = time.perf_counter() - start
     shutil.rmtree(cold_cache, ignore_errors=True)
-    with max_serve(checkpoint, *serve_args, log=scratch / "server.log",
-                   devices=args.devices) as server:
-        url = server.url
+    with (
+        llama_cpp(bool(args.peer), checkpoint, "f32") as peer,
+        serve(checkpoint, *SERVE_ARGS, log=scratch / "server.log",
+              devices=args.devices) as server,
+    ):
         rss = PeakRss(server.pid)
         runs = [
-            measure(url, hf, peer, args.quick, repetition) for repetition in range(args.repeat)
+            {**measure(server.url, hf, peer, scenarios(args.quick, repetition)),
+             **context_ratio(server.url, hf, repetition)}
+            for repetition in range(args.repeat)
         ]
-        sweep = concurrency_sweep(url, [int(n) for n in args.sweep.split(",")])
+        sweep = concurrency_sweep(server.url, [int(n) for n in args.sweep.split(",")])
         startup["peak_rss_gb"] = rss.stop() / 1e9
-    if peer:
-        peer.close()
+        logit_check = llama_cpp_logit_check(hf, peer) if peer else None
     sizes = [int(n) for n in args.rss_batch_sizes.split(",") if n]
-    rss = rss_by_batch_size(checkpoint, sizes, args.devices, scratch)
-    table = median_table(runs)
-    print_table(table, startup, sweep, rss)
     result = {
         "preset": args.preset, "devices": args.devices, "repeat": args.repeat,
-        "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "median": table,
+        "cpus": os.cpu_count(), "median": median_table(runs),
         "runs": runs, "startup": startup, "concurrency_sweep": sweep,
-        "peer": args.peer, "threads": threads, "rss_by_max_batch_size": rss,
+        "peer": args.peer, "threads": THREADS,
+        "rss_by_max_batch_size": rss_by_batch_size(checkpoint, sizes, args.devices, scratch),
+        "llama_cpp_logit_check": logit_check,
+        "gguf": {t: measure_gguf(checkpoint, t, hf, args, scratch) for t in gguf_types},
+        "load_avg": os.getloadavg(),
     }
+    print_report(result)
     out = RESULTS / f"bench-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}; server logs in {scratch}")
