@@ -35,9 +35,11 @@ is modest, and a broken kernel would score about nothing.
 Beside each type, the server tree's peak RSS at `--max-batch-size 8`.
 
 With `--peer llama.cpp` the same prompts also run in llama.cpp, in-process on
-the same GGUF file (F32 for the float rows) with the same threads. Its CPU
-arithmetic is not float32-exact either (see `llama_cpp_peer`): the report
-includes its teacher-forced logits against HF's on a 512-token prompt.
+the same GGUF file (F32 for the float rows) with the same threads, flash
+attention off unless `--llama-flash-attn` (off is its most exact setting and
+slows its long prefills). Its CPU arithmetic is not float32-exact either (see
+`llama_cpp_peer`): the report includes its teacher-forced logits against HF's
+on a 512-token prompt.
 
 Results are medians over `--repeat` runs, printed as a table and written as
 JSON to `benchmarks/results/`; the checkpoints (safetensors and GGUF) are kept
@@ -393,20 +395,22 @@ def gguf_file(checkpoint: Path, file_type: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")  # an interrupted write is not cached
         convert_to_gguf(checkpoint, partial, file_type)
+        write_companion_files(partial)
         partial.rename(path)
-        write_companion_files(path)
     return path
 
 
 def llama_cpp(
-    enabled: bool, checkpoint: Path, file_type: str
+    args: argparse.Namespace, checkpoint: Path, file_type: str
 ) -> AbstractContextManager[llama_cpp_peer.LlamaCpp | None]:
     """The llama.cpp peer on the checkpoint's GGUF of `file_type`, sized for the
     scenarios, or nothing when not asked for."""
-    if not enabled:
+    if not args.peer:
         return nullcontext()
-    gguf = gguf_file(checkpoint, file_type)
-    return llama_cpp_peer.LlamaCpp(gguf, threads=THREADS, n_ctx=2048, max_seqs=8)
+    return llama_cpp_peer.LlamaCpp(
+        gguf_file(checkpoint, file_type), threads=THREADS, n_ctx=2048, max_seqs=8,
+        flash_attn=args.llama_flash_attn,
+    )
 
 
 def llama_cpp_logit_check(hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp) -> dict:
@@ -425,7 +429,7 @@ def measure_gguf(
     path = gguf_file(checkpoint, file_type)
     reference = hf_on_gguf_weights(hf, path)
     with (
-        llama_cpp(bool(args.peer), checkpoint, file_type) as peer,
+        llama_cpp(args, checkpoint, file_type) as peer,
         serve(path, *SERVE_ARGS, devices=args.devices,
               log=scratch / f"server-{path.stem}.log") as server,
     ):
@@ -452,6 +456,10 @@ def main() -> None:
     parser.add_argument("--sweep", default="1,2,4,8,16,32")
     parser.add_argument("--peer", choices=["llama.cpp"], help="also run this engine")
     parser.add_argument("--rss-batch-sizes", default="1,8,32")
+    parser.add_argument(
+        "--llama-flash-attn", action="store_true",
+        help="llama.cpp with its default flash attention: faster long prefills, less exact",
+    )
     parser.add_argument(
         "--gguf-types", default="q4_k,q6_k,f16",
         help="GGUF types to serve scenarios a and c from ('' for none)",
@@ -480,7 +488,7 @@ def main() -> None:
             startup[label] = time.perf_counter() - start
     shutil.rmtree(cold_cache, ignore_errors=True)
     with (
-        llama_cpp(bool(args.peer), checkpoint, "f32") as peer,
+        llama_cpp(args, checkpoint, "f32") as peer,
         serve(checkpoint, *SERVE_ARGS, log=scratch / "server.log",
               devices=args.devices) as server,
     ):
@@ -498,7 +506,7 @@ def main() -> None:
         "preset": args.preset, "devices": args.devices, "repeat": args.repeat,
         "cpus": os.cpu_count(), "median": median_table(runs),
         "runs": runs, "startup": startup, "concurrency_sweep": sweep,
-        "peer": args.peer, "threads": THREADS,
+        "peer": args.peer, "llama_flash_attn": args.llama_flash_attn, "threads": THREADS,
         "rss_by_max_batch_size": rss_by_batch_size(checkpoint, sizes, args.devices, scratch),
         "llama_cpp_logit_check": logit_check,
         "gguf": {t: measure_gguf(checkpoint, t, hf, args, scratch) for t in gguf_types},

@@ -5,7 +5,8 @@ from source) through its C API, so several sequences decode in one batch the way
 llama.cpp's own server runs parallel slots: one `llama_decode` per step with one token
 per sequence. Greedy means the argmax of the logits, as HF and MAX are asked for.
 
-llama.cpp runs in its most accurate CPU setting (float32 K/V, no flash attention), and
+llama.cpp runs in its most accurate CPU setting by default (float32 K/V, no flash
+attention; `flash_attn=True` gives back its default, faster at long prefills), and
 still is not float32-exact: its GELU reads a float16 lookup table (`GGML_GELU_FP16`,
 defined in ggml's CPU source, not a runtime option), so its logits differ from HF's by
 far more than summation order does and its greedy tokens part from HF's where MAX's do
@@ -43,7 +44,9 @@ def available() -> bool:
 class LlamaCpp:
     """One model and context for up to `max_seqs` sequences of `n_ctx` tokens in all."""
 
-    def __init__(self, gguf: Path, *, threads: int, n_ctx: int, max_seqs: int) -> None:
+    def __init__(
+        self, gguf: Path, *, threads: int, n_ctx: int, max_seqs: int, flash_attn: bool = False
+    ) -> None:
         import llama_cpp as lc
 
         self.lc = lc
@@ -62,8 +65,10 @@ class LlamaCpp:
         # float32 keys and values (llama.cpp defaults to float16), as MAX and HF keep them.
         params.type_k = params.type_v = lc.GGML_TYPE_F32
         # Its CPU flash attention (on by default) adds error of its own; the plain path
-        # is llama.cpp's closest to exact arithmetic.
-        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # is llama.cpp's closest to exact arithmetic, and slower at long prefills.
+        params.flash_attn_type = (
+            lc.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         params.n_threads = params.n_threads_batch = threads
         self.ctx = lc.llama_init_from_model(self.model, params)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
