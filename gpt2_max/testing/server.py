@@ -31,6 +31,9 @@ STARTUP_TIMEOUT_S = 900
 STOP_TIMEOUT_S = 30
 """How long the group gets to exit after SIGTERM before it is killed."""
 
+REFUSAL_TIMEOUT_S = 300
+"""A start that must be refused stops before any graph compile; a hang fails."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -48,6 +51,21 @@ def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
         "--devices", devices,
         *args,
     ]
+
+
+def assert_start_fails(model: Path, message: str, *args: str) -> None:
+    """`max serve` of `model` (with further flags `args`) exits non-zero, naming `message`.
+
+    A refused checkpoint or flag must stop the start with a message a user can
+    act on, not leave a server up or a worker crashed without a word.
+    """
+    result = subprocess.run(
+        serve_command(model, "--host", "127.0.0.1", "--port", "0", *args),
+        capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert message in output, output[-4000:]
 
 
 def stop_process_group(process: subprocess.Popen) -> None:
