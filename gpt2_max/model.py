@@ -11,6 +11,7 @@ runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from max.nn.transformer import ReturnLogits
@@ -28,6 +29,22 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
+
+    def load_model(self) -> Callable[..., Any]:
+        """Compiles the model, then closes the checkpoint's file mapping.
+
+        MAX reads a CPU weight in place for the model's lifetime (the compiled
+        callable keeps the arrays it was given), so the model must not be
+        handed views of the mapping. The safetensors adapter copies every
+        tensor; once compiled, nothing the model reads lies in the file, and
+        its pages, all touched at load, would otherwise stay resident.
+        Closing lets the mapping go, as MAX's own release does on GPUs.
+        """
+        compiled = super().load_model()
+        close = getattr(self.weights, "close", None)
+        if close is not None:
+            close()
+        return compiled
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
         # The base class already built (and validated) the config from the
