@@ -31,12 +31,10 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 import llama_cpp_peer
 from openai import AsyncOpenAI
@@ -45,7 +43,7 @@ from transformers import GPT2LMHeadModel
 from gpt2_max.checkpoint import convert_to_gguf, preset_config, write_checkpoint
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import hf_greedy, random_prompt
-from gpt2_max.testing.server import MODEL_NAME, max_serve, tree_rss
+from gpt2_max.testing.server import MODEL_NAME, PeakRss, max_serve
 
 RESULTS = Path(__file__).parent / "results"
 """The reports, and nothing else."""
@@ -55,29 +53,6 @@ NEW_TOKENS = 128
 NEAR_TIE = 0.01
 """A greedy choice whose top-two HF logits differ by less than this is a coin toss
 between float32 implementations (different summation orders), not a bug."""
-
-
-class PeakRss:
-    """Samples the RSS of a process and all its children until stopped."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                self.peak = max(self.peak, tree_rss(self.pid))
-            except psutil.Error:
-                pass
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 # ---- MAX, through the OpenAI API ------------------------------------------------

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,6 +101,29 @@ def tree_rss(pid: int) -> int:
     """Resident memory of a process and all its descendants, in bytes."""
     root = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+class PeakRss:
+    """Samples the RSS of a process and all its children until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.peak = max(self.peak, tree_rss(self.pid))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 @dataclass
