@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from max.graph.weights import SafetensorWeights
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
@@ -41,9 +42,9 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
         Closing lets the mapping go, as MAX's own release does on GPUs.
         """
         compiled = super().load_model()
-        close = getattr(self.weights, "close", None)
-        if close is not None:
-            close()
+        # `getattr` would not do: `Weights` answer any attribute with a child.
+        if isinstance(self.weights, SafetensorWeights):
+            self.weights.close()
         return compiled
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
