@@ -57,13 +57,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 import llama_cpp_peer
 from openai import AsyncOpenAI
@@ -77,7 +75,7 @@ from gpt2_max.testing.reference import (
     random_prompt,
     sampleable,
 )
-from gpt2_max.testing.server import MODEL_NAME, Server, max_serve, tree_rss
+from gpt2_max.testing.server import MODEL_NAME, PeakRss, Server, max_serve
 from gpt2_max.weights.gguf import write_companion_files
 from gpt2_max.weights.gguf_writer import FILE_TYPES
 
@@ -98,29 +96,6 @@ GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
 GGUF_RSS_BATCH_SIZE = 8
 LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
 """Where llama.cpp's logits are compared with HF's, teacher-forced on one 512-token prompt."""
-
-
-class PeakRss:
-    """Samples the RSS of a process and all its children until stopped."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                self.peak = max(self.peak, tree_rss(self.pid))
-            except psutil.Error:
-                pass
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 # ---- MAX, through the OpenAI API ------------------------------------------------

@@ -11,8 +11,10 @@ runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
+from max.graph.weights import SafetensorWeights
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
@@ -28,6 +30,22 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
+
+    def load_model(self) -> Callable[..., Any]:
+        """Compiles the model, then closes the checkpoint's file mapping.
+
+        MAX reads a CPU weight in place for the model's lifetime (the compiled
+        callable keeps the arrays it was given), so the model must not be
+        handed views of the mapping. The safetensors adapter copies every
+        tensor; once compiled, nothing the model reads lies in the file, and
+        its pages, all touched at load, would otherwise stay resident.
+        Closing lets the mapping go, as MAX's own release does on GPUs.
+        """
+        compiled = super().load_model()
+        # `getattr` would not do: `Weights` answer any attribute with a child.
+        if isinstance(self.weights, SafetensorWeights):
+            self.weights.close()
+        return compiled
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
         # The base class already built (and validated) the config from the

@@ -33,17 +33,21 @@ PADDED_VOCAB_SIZE = GPT2_VOCAB_SIZE + 47
 VARIANTS: dict[str, dict] = {
     # The GPT-2 family's own settings: gelu_new, tied head, 1/sqrt(d) scaling.
     "default": dict(TINY),
-    # Every other knob that changes the math, in one graph.
-    "relu-untied-padded-layer-scaled": dict(
+    # Every other knob that changes the math, in one graph: each variant is a
+    # compile. The two attention-scale flags are independent in transformers
+    # (1/sqrt(d) on or off, then 1/(layer+1)), so off-and-layer-scaled checks
+    # both; `test_activation_matches_transformers` covers every activation,
+    # this variant that the config's choice reaches the graph.
+    "relu-untied-padded-unscaled-layer-scaled": dict(
         TINY,
         activation_function="relu",
+        scale_attn_weights=False,
         scale_attn_by_inverse_layer_idx=True,
         tie_word_embeddings=False,
         n_inner=96,
         layer_norm_epsilon=1e-3,
         vocab_size=PADDED_VOCAB_SIZE,
     ),
-    "gelu-unscaled": dict(TINY, activation_function="gelu", scale_attn_weights=False),
 }
 
 LAYOUTS = ("hub", "transformers-sharded")

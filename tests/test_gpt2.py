@@ -50,7 +50,7 @@ def test_batched_greedy_decode_matches_transformers(
 
 def test_padded_rows_would_win_unmasked(hf_models):
     """The padded variant exercises the mask: transformers, unmasked, picks padding."""
-    model = hf_models("relu-untied-padded-layer-scaled")
+    model = hf_models("relu-untied-padded-unscaled-layer-scaled")
     assert model.config.vocab_size == PADDED_VOCAB_SIZE
     prompts = random_prompts((1, 9, 40, 150), seed=len(CASES))
     with torch.no_grad():

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,9 @@ STARTUP_TIMEOUT_S = 900
 STOP_TIMEOUT_S = 30
 """How long the group gets to exit after SIGTERM before it is killed."""
 
+REFUSAL_TIMEOUT_S = 300
+"""A start that must be refused stops before any graph compile; a hang fails."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -48,6 +52,21 @@ def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
         "--devices", devices,
         *args,
     ]
+
+
+def assert_start_fails(model: Path, message: str, *args: str) -> None:
+    """`max serve` of `model` (with further flags `args`) exits non-zero, naming `message`.
+
+    A refused checkpoint or flag must stop the start with a message a user can
+    act on, not leave a server up or a worker crashed without a word.
+    """
+    result = subprocess.run(
+        serve_command(model, "--host", "127.0.0.1", "--port", "0", *args),
+        capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert message in output, output[-4000:]
 
 
 def stop_process_group(process: subprocess.Popen) -> None:
@@ -82,6 +101,29 @@ def tree_rss(pid: int) -> int:
     """Resident memory of a process and all its descendants, in bytes."""
     root = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+class PeakRss:
+    """Samples the RSS of a process and all its children until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                self.peak = max(self.peak, tree_rss(self.pid))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 @dataclass

@@ -70,17 +70,22 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
-    """The tensor as float32 (MAX's CPU path has no half precision), maybe transposed."""
+    """The tensor as float32 in an array of its own, maybe transposed.
+
+    Float32 because MAX's CPU path has no half precision. An array of its own
+    because MAX reads a CPU weight in place for as long as the model lives: a
+    tensor handed over as a view of the memory-mapped checkpoint would keep
+    the whole file mapped and resident beside the transposed copies. With
+    every tensor copied, `GPT2PipelineModel.load_model` can close the file.
+    """
     if not weight.dtype.is_float():
         raise CheckpointError(
             f"tensor {name!r} has dtype {weight.dtype.name}; expected a floating-point tensor."
         )
     if weight.dtype != DType.float32:
         weight = weight.astype(DType.float32)
-    if transpose:
-        array = np.ascontiguousarray(np.from_dlpack(weight.to_buffer()).T)
-        return WeightData.from_numpy(array, name)
-    return weight
+    array = np.from_dlpack(weight.to_buffer())
+    return WeightData.from_numpy(np.array(array.T if transpose else array, order="C"), name)
 
 
 def convert_safetensor_state_dict(
