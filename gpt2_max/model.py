@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from max.dtype import DType
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
@@ -47,6 +48,12 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
                 name: weight.quantization_encoding
                 for name, weight in state_dict.items()
                 if weight.quantization_encoding is not None
+            },
+            # Float matrices kept in half precision (F16 GGUFs) are held as loaded.
+            weight_dtypes={
+                name: weight.dtype
+                for name, weight in state_dict.items()
+                if weight.quantization_encoding is None and weight.dtype != DType.float32
             },
         )
 
