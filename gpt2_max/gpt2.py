@@ -18,7 +18,7 @@ from max import tree
 from max.driver import CPU
 from max.dtype import DType
 from max.experimental import functional as F
-from max.experimental.nn import Embedding, Module
+from max.experimental.nn import Module
 from max.experimental.nn.common_layers.functional_kernels import (
     flash_attention_ragged,
 )
@@ -31,6 +31,7 @@ from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
+from .embedding import Embedding
 from .linear import project
 from .model_config import GPT2ArchConfig
 from .quantized import linear
@@ -127,8 +128,12 @@ class GPT2(Module[..., ModuleV3Outputs]):
 
     def __init__(self, config: GPT2ArchConfig) -> None:
         self.config = config
-        self.wte = Embedding(config.vocab_size, dim=config.hidden_size)
-        self.wpe = Embedding(config.max_positions, dim=config.hidden_size)
+        self.wte = Embedding(
+            config.vocab_size, dim=config.hidden_size, dtype=config.weight_dtype("wte.weight")
+        )
+        self.wpe = Embedding(
+            config.max_positions, dim=config.hidden_size, dtype=config.weight_dtype("wpe.weight")
+        )
         self.h = ModuleList(
             [GPT2Block(config, i) for i in range(config.num_layers)]
         )

@@ -6,6 +6,10 @@ streams them slower at one row or a few. `project` compiles both into the graph 
 one at run time from the row count: this package's skinny Mojo kernel
 (`kernels/mojo/skinny.mojo`) for decode-sized steps, MAX's matmul for prefill. Both
 accumulate in float32, so the choice changes only the summation order.
+
+Weights may be float16 (F16 GGUFs): the kernel reads them as they are, halving the
+bytes a decode step streams, and the prefill branch widens them to float32 for MAX's
+matmul, which multiplies float32 activations by float32 weights only.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`x @ weight.T (+ bias)` for `weight` in `[out, in]` layout."""
 
     def gemm() -> Tensor:
-        y = x @ weight.T
+        y = x @ (weight if weight.dtype == x.dtype else weight.cast(x.dtype)).T
         return y if bias is None else y + bias
 
     if x.dtype != DType.float32 or not x.device.is_host:
@@ -49,7 +53,15 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 class SkinnyLinear(Linear):
-    """MAX's `Linear` (same parameters, same checkpoint names) computed by `project`."""
+    """MAX's `Linear` (same parameters, same checkpoint names) computed by `project`,
+    with its weight held in `dtype` (float32, or float16 as an F16 GGUF stores it)."""
+
+    def __init__(
+        self, in_dim: int, out_dim: int, *, bias: bool = True, dtype: DType = DType.float32
+    ) -> None:
+        super().__init__(in_dim, out_dim, bias=bias)
+        if dtype != self.weight.dtype:
+            self.weight = Tensor.zeros([out_dim, in_dim], dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return project(x, self.weight, None if isinstance(self.bias, int) else self.bias)

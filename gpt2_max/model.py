@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from max.dtype import DType
 from max.graph.weights import SafetensorWeights
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
@@ -65,6 +66,12 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
                 name: weight.quantization_encoding
                 for name, weight in state_dict.items()
                 if weight.quantization_encoding is not None
+            },
+            # Float matrices kept in half precision (F16 GGUFs) are held as loaded.
+            weight_dtypes={
+                name: weight.dtype
+                for name, weight in state_dict.items()
+                if weight.quantization_encoding is None and weight.dtype != DType.float32
             },
         )
 

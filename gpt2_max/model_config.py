@@ -140,7 +140,8 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
     SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32", "q4_0", "q4_k", "q6_k"}
-    """float32 from safetensors or F32/F16/BF16 GGUFs; MAX's CPU GGUF block encodings.
+    """float32 from safetensors or F32/F16/BF16 GGUFs (F16 matrices stay float16 in
+    memory, see `weights.gguf`); MAX's CPU GGUF block encodings.
     A GGUF's tensors keep their own types whatever the encoding (mixed files are
     the norm); the encoding picks the file and the KV-cache dtype."""
 
@@ -165,6 +166,13 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     return_logits: ReturnLogits = ReturnLogits.LAST_TOKEN
     packed_weights: dict[str, QuantizationEncoding] = field(default_factory=dict)
     """Parameters loaded as GGUF blocks, by name; the model builds packed layers for them."""
+    weight_dtypes: dict[str, DType] = field(default_factory=dict)
+    """Unpacked parameters loaded in another dtype than float32 (float16 from F16
+    GGUFs), by name; the model holds them in that dtype (see `weight_dtype`)."""
+
+    def weight_dtype(self, name: str) -> DType:
+        """The dtype parameter `name` is held in: as loaded, float32 unless listed."""
+        return self.weight_dtypes.get(name, DType.float32)
 
     def attention_scale(self, layer_idx: int) -> float:
         """The softmax scale of layer `layer_idx`, as transformers' GPT-2 applies it."""

@@ -70,8 +70,10 @@ def packed_matmul(encoding: QuantizationEncoding, x: Tensor, weight: Tensor, row
 def linear(
     config: GPT2ArchConfig, name: str, in_dim: int, out_dim: int, *, bias: bool = True
 ) -> SkinnyLinear | QuantizedLinear:
-    """The linear layer for parameter prefix `name`, packed if its weight is."""
+    """The linear layer for parameter prefix `name`, packed if its weight is, else
+    holding its weight in the dtype it was loaded in."""
     encoding = config.packed_weights.get(f"{name}.weight")
     if encoding is None:
-        return SkinnyLinear(in_dim, out_dim, bias=bias)
+        dtype = config.weight_dtype(f"{name}.weight")
+        return SkinnyLinear(in_dim, out_dim, bias=bias, dtype=dtype)
     return QuantizedLinear(in_dim, out_dim, encoding, bias=bias)

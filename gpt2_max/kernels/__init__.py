@@ -15,7 +15,8 @@ MOJO_PACKAGE = Path(__file__).parent / "mojo"
 
 _m, _k, _n = custom.Symbols("m", "k", "n")
 _x = custom.TemplateType(DType.float32, [_m, _k])
-_w = custom.TemplateType(DType.float32, [_n, _k])
+_w = custom.TemplateType(custom.DTypeVar("w"), [_n, _k])
+"""Weights may be float32 or float16: the kernel widens float16 as it loads it."""
 _y = custom.TemplateType(DType.float32, [_m, _n])
 
 skinny_linear = custom.declare(

@@ -4,8 +4,13 @@ llama.cpp's names (`token_embd`, `blk.N.attn_qkv`, ...) become the module's hub
 names; its matmul weights are already `[out, in]`, the layout MAX's `Linear`
 and `qmatmul` take, so nothing is transposed. Per tensor type:
 
-- F32 loads as is; F16 and BF16 are widened to float32 (MAX's CPU matmuls and
-  LayerNorm run in float32).
+- F32 loads as is. F16 matrices a decode step streams (block matmul weights, an
+  untied head, the token table that also serves a tied head) stay float16, half
+  the bytes per token: the skinny kernel widens them in registers, the prefill
+  matmul and the embedding gather in the graph (`linear.py`, `embedding.py`).
+  Other F16 tensors (position table, norms, biases: small) and all BF16 ones
+  are widened to float32 here (MAX's CPU kernels have no bfloat16).
+  Safetensors checkpoints in float16 are widened by their own adapter.
 - Q4_0, Q4_K and Q6_K matmul weights stay packed: MAX has CPU kernels for
   them (`ops.qmatmul`). Embedding tables are dequantized to float32 at load:
   gathering packed rows and dequantizing them in the graph crashed MAX 26.7's
@@ -53,6 +58,7 @@ KERNEL_ENCODINGS: dict[Q, QuantizationEncoding] = {
 """Block types MAX can multiply (`qmatmul`) and gather-dequantize on the CPU."""
 
 WIDENED = (Q.F16, Q.BF16)
+"""Float types read exactly (widened to float32 unless `stays_half`)."""
 
 PACKABLE = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """Block layers whose weights may stay packed; so may an untied `lm_head`."""
@@ -62,6 +68,12 @@ def stays_packed(name: str) -> bool:
     return name == "lm_head.weight" or (
         name.endswith(".weight") and block_part(name) in PACKABLE
     )
+
+
+def stays_half(name: str) -> bool:
+    """Whether an F16 tensor `name` is held as float16: a matmul weight, or the
+    token table (a tied head streams it every decode step)."""
+    return name == "wte.weight" or stays_packed(name)
 
 
 def _reader(weights: Weights) -> gguf.GGUFReader:
@@ -164,6 +176,9 @@ def convert_gguf_state_dict(
                 writable(blocks), name, packed.dtype, Shape(blocks.shape),
                 packed.quantization_encoding,
             )
+            continue
+        if qtype == Q.F16 and stays_half(name):
+            converted[name] = WeightData.from_numpy(writable(np.asarray(tensor.data)), name)
             continue
         if qtype not in (Q.F32, *WIDENED):
             dequantized.append(f"{key} ({qtype.name})")

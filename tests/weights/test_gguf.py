@@ -1,6 +1,7 @@
 """GGUF files through MAX against transformers on the same (dequantized) weights.
 
-Float files (F32, F16 widened) must match transformers like safetensors do.
+Float files (F32; F16, served from float16 matrices) must match transformers
+on the file's own weights like safetensors do.
 Block-quantized files are compared with transformers running the weights the
 `gguf` package dequantizes from the same file, so only MAX's kernel arithmetic
 differs: `qmatmul` quantizes activations to 8 bits per block. Every comparison
@@ -18,17 +19,26 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from max.dtype import DType
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import load_weights
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.checkpoint import TOKENIZER_DIR, random_hub_state_dict
 from gpt2_max.weights.gguf import CheckpointError, convert_gguf_state_dict, write_companion_files
+from gpt2_max.weights.gguf_names import gguf_name
 from gpt2_max.weights.gguf_quants import quantize
 from gpt2_max.weights.gguf_writer import gguf_tensors, write_gguf, write_tensors
 from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_prompt
 
 NEW_TOKENS = 32
+
+
+def half_precision_names(n_layer: int) -> set[str]:
+    """The parameters an F16 file (tied head) keeps in float16: the matmul weights
+    and the token table; the position table, norms and biases are float32."""
+    parts = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    return {"wte.weight"} | {f"h.{i}.{part}.weight" for i in range(n_layer) for part in parts}
 
 
 # GGUF cannot carry activation_function, scale_attn_weights,
@@ -50,6 +60,16 @@ def test_float_gguf_matches_transformers(variant, file_type, hf_models, gguf_fil
         # Ids past the tokenizer (the padded variant) are masked to -inf by MAX.
         vocab = hf_logits.shape[1]
         np.testing.assert_allclose(np.asarray(logits)[:, :vocab], hf_logits, atol=1e-3, rtol=0)
+
+
+def test_f16_gguf_is_served_from_float16_matrices(hf_models, gguf_files, max_models):
+    path = gguf_files(hf_models("default"), "f16")
+    # The weights the compiled graph is bound to (MAX keeps no public path to them).
+    held = max_models(path).pipeline._pipeline_model.model.weights
+    dtypes = {name: value.dtype for name, value in held.items()}
+    half = half_precision_names(hf_models("default").config.n_layer)
+    assert {name: dtypes[name] for name in half} == dict.fromkeys(half, DType.float16)
+    assert {dtypes[name] for name in dtypes.keys() - half} == {DType.float32}
 
 
 def teacher_forced_logits(model: GPT2LMHeadModel, tokens: list[int], start: int) -> np.ndarray:
@@ -166,11 +186,18 @@ def test_types_without_a_max_kernel_are_dequantized_with_one_log_line(tmp_path, 
     assert np.from_dlpack(converted["wte.weight"]).dtype == np.float32
 
 
-def test_half_precision_is_widened(tmp_path):
-    path = write_tensors(tmp_path / "m.gguf", SMALL, small_tensors("f16"), "f16", TOKENIZER_DIR)
+def test_f16_matrices_stay_half_precision_the_rest_is_widened(tmp_path):
+    tensors = small_tensors("f16")
+    path = write_tensors(tmp_path / "m.gguf", SMALL, tensors, "f16", TOKENIZER_DIR)
     converted = adapt(path)
-    assert all(np.from_dlpack(w).dtype == np.float32 for w in converted.values())
-    assert all(w.quantization_encoding is None for w in converted.values())
+    half = half_precision_names(SMALL.n_layer)
+    for name, weight in converted.items():
+        array = np.from_dlpack(weight)
+        assert array.dtype == (np.float16 if name in half else np.float32), name
+        assert weight.quantization_encoding is None
+        stored, qtype = tensors[gguf_name(name)]
+        assert qtype == (Q.F16 if array.ndim == 2 else Q.F32)
+        np.testing.assert_array_equal(array, stored.astype(array.dtype), err_msg=name)
 
 
 def replace(tensors, name, data, qtype):

@@ -1,19 +1,23 @@
-"""MAX registrations of the skinny matmul (see `skinny.mojo`)."""
+"""MAX registrations of the skinny matmul (see `skinny.mojo`).
+
+Each op takes float32 or float16 weights (`wdt`, bound from the weight's type);
+activations, bias and output are float32 either way.
+"""
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
 from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
-from .skinny import CpuCtx, F32Ptr, skinny_matmul
+from .skinny import CpuCtx, F32Ptr, WPtr, skinny_matmul
 
 
-def _run(
-    y: F32Ptr, x: F32Ptr, w: F32Ptr, b: F32Ptr,
+def _run[wdt: DType](
+    y: F32Ptr, x: F32Ptr, w: WPtr[wdt], b: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ctx: DeviceContext,
 ) raises:
     var cpu = Optional[CpuCtx](None)
-    skinny_matmul(x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
+    skinny_matmul[wdt](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
 
 
 @extensibility.register("gpt2_skinny_linear")
@@ -21,16 +25,16 @@ struct SkinnyLinear:
     """y[M, N] = x[M, K] @ w[N, K]^T + b[N]."""
 
     @staticmethod
-    def execute[target: StaticString](
+    def execute[wdt: DType, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
-        w: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        w: InputTensor[dtype=wdt, rank=2, static_spec=_],
         b: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
         ctx: DeviceContext,
     ) raises:
-        _run(
+        _run[wdt](
             rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
-            rebind[F32Ptr](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
+            rebind[WPtr[wdt]](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
             x.dim_size(0), x.dim_size(1), w.dim_size(0), True, ctx,
         )
 
@@ -40,14 +44,15 @@ struct SkinnyMatmul:
     """y[M, N] = x[M, K] @ w[N, K]^T."""
 
     @staticmethod
-    def execute[target: StaticString](
+    def execute[wdt: DType, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
-        w: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
+        w: InputTensor[dtype=wdt, rank=2, static_spec=_],
         ctx: DeviceContext,
     ) raises:
-        var wp = rebind[F32Ptr](w.unsafe_ptr())
-        _run(
-            rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
-            wp, wp, x.dim_size(0), x.dim_size(1), w.dim_size(0), False, ctx,
+        var xp = rebind[F32Ptr](x.unsafe_ptr())
+        # No bias: the kernel never reads `b` when has_bias is False.
+        _run[wdt](
+            rebind[F32Ptr](y.unsafe_ptr()), xp, rebind[WPtr[wdt]](w.unsafe_ptr()),
+            xp, x.dim_size(0), x.dim_size(1), w.dim_size(0), False, ctx,
         )

@@ -1,4 +1,8 @@
-"""Skinny matmul for decode steps: y[M, N] = x[M, K] @ w[N, K]^T (+ b[N]), float32, CPU.
+"""Skinny matmul for decode steps: y[M, N] = x[M, K] @ w[N, K]^T (+ b[N]), CPU.
+
+`x`, `b` and `y` are float32; `w` is float32 or float16. A float16 `w` is widened
+to float32 in registers as it is loaded, so a step reads half the bytes and still
+accumulates in float32.
 
 A decode step multiplies a handful of rows by every weight matrix once, so its cost is
 streaming the weights from memory. Each task owns a contiguous band of `w`'s rows and
@@ -15,6 +19,7 @@ from max.gpu.host.device_context import DeviceContextBase
 
 comptime CpuCtx = DeviceContextBase[CompilationTarget()]
 comptime F32Ptr = UnsafePointer[Float32, MutUntrackedOrigin]
+comptime WPtr[wdt: DType] = UnsafePointer[Scalar[wdt], MutUntrackedOrigin]
 comptime SW = simd_width_of[DType.float32]()
 comptime R = 4
 """Weight rows per block: R independent streams per task."""
@@ -23,8 +28,8 @@ comptime MT = 4
 
 
 @always_inline
-def _tile[mt: Int, r: Int](
-    x: F32Ptr, w: F32Ptr, b: F32Ptr, y: F32Ptr,
+def _tile[wdt: DType, mt: Int, r: Int](
+    x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool,
 ):
     """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end."""
@@ -34,7 +39,7 @@ def _tile[mt: Int, r: Int](
     while k < kv:
         var ws = Array[SIMD[DType.float32, SW], r](fill=0)
         comptime for j in range(r):
-            ws[j] = w.unsafe_load[width=SW]((n0 + j) * K + k)
+            ws[j] = w.unsafe_load[width=SW]((n0 + j) * K + k).cast[DType.float32]()
             # The next block's rows, one block ahead: turns r short streams into one long one.
             prefetch[PrefetchOptions().for_read().medium_locality()](w + (n0 + r + j) * K + k)
         comptime for i in range(mt):
@@ -46,29 +51,30 @@ def _tile[mt: Int, r: Int](
         comptime for j in range(r):
             var s = acc[i * r + j].reduce_add()
             for kk in range(kv, K):
-                s += w.unsafe_load((n0 + j) * K + kk) * x.unsafe_load((m0 + i) * K + kk)
+                var wk = w.unsafe_load((n0 + j) * K + kk).cast[DType.float32]()
+                s += wk * x.unsafe_load((m0 + i) * K + kk)
             if has_bias:
                 s += b.unsafe_load(n0 + j)
             y.unsafe_store((m0 + i) * N + n0 + j, s)
 
 
 @always_inline
-def _block[r: Int](
-    x: F32Ptr, w: F32Ptr, b: F32Ptr, y: F32Ptr,
+def _block[wdt: DType, r: Int](
+    x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, n0: Int, has_bias: Bool,
 ):
     """All M rows against weight rows n0 : n0+r."""
     var m0 = 0
     while m0 + MT <= M:
-        _tile[MT, r](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, MT, r](x, w, b, y, K, N, m0, n0, has_bias)
         m0 += MT
     comptime for rest in range(1, MT):
         if M - m0 == rest:
-            _tile[rest, r](x, w, b, y, K, N, m0, n0, has_bias)
+            _tile[wdt, rest, r](x, w, b, y, K, N, m0, n0, has_bias)
 
 
-def skinny_matmul(
-    x: F32Ptr, w: F32Ptr, b: F32Ptr, y: F32Ptr,
+def skinny_matmul[wdt: DType](
+    x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     var nblocks = N // R
@@ -77,9 +83,9 @@ def skinny_matmul(
         var first = t * nblocks // ntasks
         var last = (t + 1) * nblocks // ntasks
         for blk in range(first, last):
-            _block[R](x, w, b, y, M, K, N, blk * R, has_bias)
+            _block[wdt, R](x, w, b, y, M, K, N, blk * R, has_bias)
         if t == ntasks - 1:
             for n in range(nblocks * R, N):
-                _block[1](x, w, b, y, M, K, N, n, has_bias)
+                _block[wdt, 1](x, w, b, y, M, K, N, n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)
