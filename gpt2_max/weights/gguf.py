@@ -46,6 +46,7 @@ from transformers import GPT2Config
 from ..quantized import padded_rows
 from ..tokenizer import copy_tokenizer
 from .gguf_names import block_part, hub_name
+from .hugepages import hugepage_array
 from .safetensors import CheckpointError, expected_shapes
 
 logger = logging.getLogger("max.pipelines")
@@ -130,10 +131,9 @@ def _float32(name: str, tensor: gguf.ReaderTensor) -> np.ndarray:
 
 
 def writable(array: np.ndarray) -> np.ndarray:
-    """A contiguous array DLPack can export: the reader's memory map is read-only."""
-    if array.flags.writeable and array.flags.c_contiguous:
-        return array
-    return np.array(array, order="C", copy=True)
+    """A contiguous copy DLPack can export (the reader's memory map is read-only), in
+    huge pages: see `hugepages.py`."""
+    return hugepage_array(array)
 
 
 def convert_gguf_state_dict(
