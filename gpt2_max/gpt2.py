@@ -139,10 +139,10 @@ class GPT2(Module[..., ModuleV3Outputs]):
         )
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         # A tied head reads `wte` in place (both `project` paths take `[out, in]`
-        # weights, no copy); an untied one has its own `[vocab, hidden]` weight.
+        # weights, no copy); otherwise the head has its own `[vocab, hidden]` weight.
         self.lm_head = (
             None
-            if config.tie_word_embeddings
+            if config.head_reads_wte
             else linear(config, "lm_head", config.hidden_size, config.vocab_size, bias=False)
         )
 

@@ -24,6 +24,7 @@ from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
 from .model_config import GPT2ArchConfig
+from .quantized import repack
 
 
 class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
@@ -74,6 +75,12 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
                 if weight.quantization_encoding is None and weight.dtype != DType.float32
             },
         )
+
+    def _prepare_state_dict(
+        self, state_dict: dict[str, Any], model_config: GPT2ArchConfig
+    ) -> dict[str, Any]:
+        # GGUF blocks go into the layout MAX's matmul kernel reads, once.
+        return repack(state_dict) if model_config.packed_weights else state_dict
 
     def _instantiate_module(self, model_config: GPT2ArchConfig) -> GPT2:
         module = GPT2(model_config)

@@ -170,6 +170,13 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Unpacked parameters loaded in another dtype than float32 (float16 from F16
     GGUFs), by name; the model holds them in that dtype (see `weight_dtype`)."""
 
+    @property
+    def head_reads_wte(self) -> bool:
+        """Whether the LM head multiplies by `wte` in place: a tied head does, unless
+        the checkpoint gave it the token table packed as `lm_head.weight` (a
+        quantized GGUF), which it then multiplies as blocks, as a layer of its own."""
+        return self.tie_word_embeddings and "lm_head.weight" not in self.packed_weights
+
     def weight_dtype(self, name: str) -> DType:
         """The dtype parameter `name` is held in: as loaded, float32 unless listed."""
         return self.weight_dtypes.get(name, DType.float32)

@@ -1,25 +1,38 @@
-"""A linear layer over GGUF-packed weights, through MAX's `qmatmul`.
+"""A linear layer over GGUF-packed weights, through MAX's quantized CPU kernels.
 
 ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
-`F.qmatmul` quantizes the activations to 8 bits per block and runs integer dot
+MAX's kernel quantizes the activations to 8 bits per block and runs integer dot
 products against them on the CPU. `linear` picks the class from the encoding
 the loaded weight carries (`GPT2ArchConfig.packed_weights`), so `gpt2.py` builds
 the same tree for every file type.
+
+The kernel multiplies a repacked layout of the blocks (same shape and bytes per
+row, interleaved for its dot products). `F.qmatmul` repacks inside the graph,
+so every decode step would rewrite every packed weight before reading it;
+`repack` does that once at load (`GPT2PipelineModel._prepare_state_dict`), and
+the graph calls MAX's matmul kernel on the result.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
+import numpy as np
+from max.driver import CPU, Buffer
 from max.dtype import DType
-from max.experimental import functional as F
+from max.engine import InferenceSession
+from max.experimental import custom
 from max.experimental.nn import Module
 from max.experimental.tensor import Tensor
+from max.graph import DeviceRef, Graph, TensorType, ops
 from max.graph.quantization import QuantizationEncoding
+from max.graph.weights import WeightData
 
 from .linear import SkinnyLinear
 from .model_config import GPT2ArchConfig
+from .weights.hugepages import hugepage_array
 
 PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
@@ -58,13 +71,57 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
         self.bias = Tensor.zeros([out_dim]) if bias else 0
 
     def forward(self, x: Tensor) -> Tensor:
-        return packed_matmul(self.encoding, x, self.weight, self.out_dim) + self.bias
+        y = _matmul(self.encoding)(x, self.weight)
+        if padded_rows(self.out_dim) != self.out_dim:
+            y = y[:, : self.out_dim]
+        return y + self.bias
 
 
-def packed_matmul(encoding: QuantizationEncoding, x: Tensor, weight: Tensor, rows: int) -> Tensor:
-    """`x @ weight[:rows].T` for a row-padded packed weight."""
-    y = F.qmatmul(encoding, None, x, weight)
-    return y if padded_rows(rows) == rows else y[:, :rows]
+_m, _k, _n, _b = custom.Symbols("m", "k", "n", "b")
+_PACKED = custom.TemplateType(DType.uint8, [_n, _b])
+
+
+@functools.cache
+def _matmul(encoding: QuantizationEncoding) -> custom.CustomOp:
+    """MAX's kernel for `x @ W.T`, `W` repacked (`repack`)."""
+    return custom.declare(
+        f"vroom_{encoding.name}_matmul",
+        inputs={"x": custom.TemplateType(DType.float32, [_m, _k]), "w": _PACKED},
+        outputs=[custom.TemplateType(DType.float32, [_m, _n])],
+    )
+
+
+def _repack_graph(encoding: QuantizationEncoding) -> Graph:
+    packed = TensorType(DType.uint8, ["rows", "row_bytes"], DeviceRef.CPU())
+    with Graph(f"gpt2_max_repack_{encoding.name}", input_types=[packed]) as graph:
+        name = f"vroom_{encoding.name}_repack_weights"
+        graph.output(ops.custom(name, DeviceRef.CPU(), [graph.inputs[0]], [packed])[0])
+    return graph
+
+
+def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
+    """`state_dict` with every packed weight in the layout MAX's matmul kernel reads.
+
+    One small graph per encoding, compiled in a session of its own, repacks
+    them all; each result is copied into memory the model keeps (huge pages,
+    as the adapters do), since MAX reads CPU weights in place.
+    """
+    session: InferenceSession | None = None
+    repackers = {}
+    repacked = dict(state_dict)
+    for name, weight in state_dict.items():
+        encoding = weight.quantization_encoding
+        if encoding is None:
+            continue
+        if encoding not in repackers:
+            session = session or InferenceSession(devices=[CPU()])
+            repackers[encoding] = session.load(_repack_graph(encoding))
+        blocks = Buffer.from_numpy(np.ascontiguousarray(np.asarray(weight.data)))
+        result = repackers[encoding].execute(blocks)[0].to_numpy()
+        repacked[name] = WeightData(
+            hugepage_array(result), name, weight.dtype, weight.shape, encoding
+        )
+    return repacked
 
 
 def linear(

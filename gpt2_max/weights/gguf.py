@@ -12,9 +12,10 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
   are widened to float32 here (MAX's CPU kernels have no bfloat16).
   Safetensors checkpoints in float16 are widened by their own adapter.
 - Q4_0, Q4_K and Q6_K matmul weights stay packed: MAX has CPU kernels for
-  them (`ops.qmatmul`). Embedding tables are dequantized to float32 at load:
+  them (`quantized.py`). Embedding tables are dequantized to float32 at load:
   gathering packed rows and dequantizing them in the graph crashed MAX 26.7's
-  Q4_0 kernel on a GPT-2-sized table, and a float table also serves the tied head.
+  Q4_0 kernel on a GPT-2-sized table. A tied head still multiplies the packed
+  token table: the adapter hands it over as `lm_head.weight` too.
 - Other block types (Q8_0, Q5_0, Q4_1, Q5_1, Q5_K, ...) have no MAX kernel; the
   `gguf` package dequantizes them to float32 here, and one log line lists them.
   MAX's own GGUF reader refuses Q8_0/Q5_0/Q4_1 outright, so their bytes are read
@@ -136,6 +137,18 @@ def writable(array: np.ndarray) -> np.ndarray:
     return hugepage_array(array)
 
 
+def _packed(name: str, weights: Weights) -> WeightData:
+    """A quantized matrix as its blocks, rows padded for MAX's kernels (`padded_rows`)."""
+    packed = weights.data()
+    blocks = np.asarray(packed.data)
+    rows = padded_rows(blocks.shape[0])
+    if rows != blocks.shape[0]:
+        blocks = np.pad(blocks, ((0, rows - blocks.shape[0]), (0, 0)))
+    return WeightData(
+        writable(blocks), name, packed.dtype, Shape(blocks.shape), packed.quantization_encoding
+    )
+
+
 def convert_gguf_state_dict(
     state_dict: dict[str, Weights], huggingface_config: Any, **unused_kwargs: Any
 ) -> dict[str, WeightData]:
@@ -167,16 +180,13 @@ def convert_gguf_state_dict(
             )
         qtype = tensor.tensor_type
         if qtype in KERNEL_ENCODINGS and stays_packed(name):
-            packed = state_dict[key].data()
-            blocks = np.asarray(packed.data)
-            rows = padded_rows(blocks.shape[0])
-            if rows != blocks.shape[0]:
-                blocks = np.pad(blocks, ((0, rows - blocks.shape[0]), (0, 0)))
-            converted[name] = WeightData(
-                writable(blocks), name, packed.dtype, Shape(blocks.shape),
-                packed.quantization_encoding,
-            )
+            converted[name] = _packed(name, state_dict[key])
             continue
+        if qtype in KERNEL_ENCODINGS and name == "wte.weight" and "lm_head.weight" not in expected:
+            # A tied head over a packed table multiplies the blocks (a float copy
+            # would cost 4-8x their bytes per decode step); the gather below
+            # reads float rows.
+            converted["lm_head.weight"] = _packed("lm_head.weight", state_dict[key])
         if qtype == Q.F16 and stays_half(name):
             converted[name] = WeightData.from_numpy(writable(np.asarray(tensor.data)), name)
             continue
