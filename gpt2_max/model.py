@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from max.dtype import DType
-from max.graph.weights import SafetensorWeights
+from max.graph.weights import GGUFWeights, SafetensorWeights
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
@@ -25,6 +25,7 @@ from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
 from .model_config import GPT2ArchConfig
 from .quantized import repack
+from .weights.gguf import release_pages
 
 
 class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
@@ -39,14 +40,18 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
         MAX reads a CPU weight in place for the model's lifetime (the compiled
         callable keeps the arrays it was given), so the model must not be
         handed views of the mapping. The safetensors adapter copies every
-        tensor; once compiled, nothing the model reads lies in the file, and
-        its pages, all touched at load, would otherwise stay resident.
-        Closing lets the mapping go, as MAX's own release does on GPUs.
+        tensor, and so does the GGUF one; once compiled, nothing the model
+        reads lies in the file, and its pages, all touched at load, would
+        otherwise stay resident. Closing lets the mapping go, as MAX's own
+        release does on GPUs; a GGUF mapping, which MAX gives no way to close,
+        keeps no pages.
         """
         compiled = super().load_model()
         # `getattr` would not do: `Weights` answer any attribute with a child.
         if isinstance(self.weights, SafetensorWeights):
             self.weights.close()
+        elif isinstance(self.weights, GGUFWeights):
+            release_pages(self.weights)  # It has no `close()`.
         return compiled
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:

@@ -31,8 +31,10 @@ the file's metadata. The adapter checks that metadata against `config.json`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,25 @@ def _reader(weights: Weights) -> gguf.GGUFReader:
     """The reader MAX's `GGUFWeights` opened (its tensors carry the raw bytes)."""
     assert isinstance(weights, GGUFWeights), type(weights)
     return weights._reader
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(weights: GGUFWeights) -> None:
+    """Returns the file's pages to the kernel once every tensor has been copied out.
+
+    `GGUFWeights` has no `close()`: its reader keeps the whole file mapped for
+    the life of the process, and the pages the adapter read stay resident
+    beside the copies the model holds (`hugepage_array`). `MADV_DONTNEED` drops
+    them from this process; the mapping is a read-only view of the file, so a
+    later read would fault them back in from it.
+    """
+    data = _reader(weights).data
+    if data.nbytes:
+        address = ctypes.c_void_p(data.ctypes.data)
+        if _libc.madvise(address, ctypes.c_size_t(data.nbytes), mmap.MADV_DONTNEED):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on the GGUF mapping")
 
 
 def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +63,39 @@ def test_float_gguf_matches_transformers(variant, file_type, hf_models, gguf_fil
         np.testing.assert_allclose(np.asarray(logits)[:, :vocab], hf_logits, atol=1e-3, rtol=0)
 
 
-def test_f16_gguf_is_served_from_float16_matrices(hf_models, gguf_files, max_models):
-    path = gguf_files(hf_models("default"), "f16")
+def resident_kib(path: Path) -> int:
+    """This process's resident memory in mappings of `path`."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = len(fields) >= 6 and fields[5] == str(path.resolve())
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_f16_gguf_is_served_from_float16_matrices_and_leaves_its_file(
+    hf_models, gguf_files, max_models, tmp_path
+):
+    # A copy of the file no other reader in this process has mapped.
+    source = gguf_files(hf_models("default"), "f16")
+    path = shutil.copytree(source.parent, tmp_path / "f16") / source.name
+    model = max_models(path)
     # The weights the compiled graph is bound to (MAX keeps no public path to them).
-    held = max_models(path).pipeline._pipeline_model.model.weights
+    held = model.pipeline._pipeline_model.model.weights
     dtypes = {name: value.dtype for name, value in held.items()}
     half = half_precision_names(hf_models("default").config.n_layer)
     assert {name: dtypes[name] for name in half} == dict.fromkeys(half, DType.float16)
     assert {dtypes[name] for name in dtypes.keys() - half} == {DType.float32}
+    # Every tensor was copied out, so none of the file stays resident: MAX keeps
+    # it mapped, but `release_pages` gave its pages back.
+    assert str(path.resolve()) in Path("/proc/self/maps").read_text()
+    assert resident_kib(path) == 0
+    prompt = random_prompt(20, seed=77)
+    assert model.generate([prompt], max_new_tokens=4, top_k=1, ignore_eos=True).sequences[0][
+        len(prompt):
+    ] == hf_greedy(hf_on_gguf_weights(hf_models("default"), source), prompt, 4)[0]
 
 
 def teacher_forced_logits(model: GPT2LMHeadModel, tokens: list[int], start: int) -> np.ndarray:

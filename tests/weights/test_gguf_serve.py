@@ -44,8 +44,9 @@ def test_q4_k_m_mix_answers_8_concurrent_requests(quantized_model, gguf_files, t
             logits = reference(torch.tensor([prompt + answer])).logits[0]
         predicted = logits[len(prompt) - 1 : -1].argmax(-1).numpy()
         agree.append(predicted == np.asarray(answer))
-    # Same bound as the per-encoding parity tests (measured 0.94 here).
-    assert np.mean(np.concatenate(agree)) >= 0.80
+    top1 = float(np.mean(np.concatenate(agree)))
+    print(f"\nq4_k_m served, 8 concurrent: top-1 {top1:.4f}")
+    assert top1 >= 0.80  # The bound of the per-encoding parity tests.
 
 
 def damage(folder, how: str) -> None:
