@@ -8,8 +8,9 @@ one at run time from the row count: this package's skinny Mojo kernel
 accumulate in float32, so the choice changes only the summation order.
 
 Weights may be float16 (F16 GGUFs): the kernel reads them as they are, halving the
-bytes a decode step streams, and the prefill branch widens them to float32 for MAX's
-matmul, which multiplies float32 activations by float32 weights only.
+bytes a decode step streams. It also serves their prefills, a pass over the weights per
+64 rows: MAX's matmul multiplies float32 by float32 only, and widening every weight for
+it would hold float32 copies of them all, the memory float16 saves.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     if x.dtype != DType.float32 or not x.device.is_host:
         return gemm()
+    if weight.dtype != x.dtype:
+        # MAX's matmul would need the weight widened to a float32 copy first.
+        return skinny_of(x, weight, bias)
 
     # Stage the parameters in the enclosing graph first: one first used inside a branch
     # would be defined there, out of the other branch's reach.
@@ -43,13 +47,18 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         bias = Tensor.from_graph_value(TensorValue(bias))
 
     def skinny() -> Tensor:
-        if bias is None:
-            return kernels.skinny_matmul(x, weight)
-        return kernels.skinny_linear(x, weight, bias)
+        return skinny_of(x, weight, bias)
 
     rows = F.shape_to_tensor([x.shape[0]]).reshape([])
     out = TensorType(x.dtype, [x.shape[0], weight.shape[0]], DeviceRef.from_device(x.device))
     return F.cond(rows <= SKINNY_MAX_ROWS, [out], skinny, gemm)[0]
+
+
+def skinny_of(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`x @ weight.T (+ bias)` through the skinny kernel."""
+    if bias is None:
+        return kernels.skinny_matmul(x, weight)
+    return kernels.skinny_linear(x, weight, bias)
 
 
 class SkinnyLinear(Linear):

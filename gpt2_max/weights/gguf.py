@@ -6,8 +6,9 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
 
 - F32 loads as is. F16 matrices a decode step streams (block matmul weights, an
   untied head, the token table that also serves a tied head) stay float16, half
-  the bytes per token: the skinny kernel widens them in registers, the prefill
-  matmul and the embedding gather in the graph (`linear.py`, `embedding.py`).
+  the bytes per token: the skinny kernel widens them in registers, for decode
+  and prefill alike, and the embedding widens the rows it gathers (`linear.py`,
+  `embedding.py`).
   Other F16 tensors (position table, norms, biases: small) and all BF16 ones
   are widened to float32 here (MAX's CPU kernels have no bfloat16).
   Safetensors checkpoints in float16 are widened by their own adapter.

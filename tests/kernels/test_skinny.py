@@ -11,8 +11,9 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
 
-ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17)
-"""Every register-tile height, full tiles plus each remainder, and more rows than a tile."""
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64, 131)
+"""Every register-tile height, full tiles plus each remainder, more rows than a tile, and
+more than one pass of rows (a prefill through float16 weights), whole and with a tail."""
 SHAPES = ((768, 2304), (17, 1), (33, 5), (100, 37), (3072, 768), (16, 4))
 """(K, N): multiples of the vector width and of the row block, and neither."""
 WEIGHT_DTYPES = {DType.float32: np.float32, DType.float16: np.float16}

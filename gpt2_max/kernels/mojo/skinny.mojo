@@ -25,6 +25,10 @@ comptime R = 4
 """Weight rows per block: R independent streams per task."""
 comptime MT = 4
 """Input rows per register tile: MT * R accumulators."""
+comptime MC = 64
+"""Input rows per pass over a task's band of `w`: many rows (a prefill through a
+float16 weight) are taken this many at a time, so they stay in L2 while the band
+streams past once per pass."""
 
 
 @always_inline
@@ -82,10 +86,14 @@ def skinny_matmul[wdt: DType](
     def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm nblocks, imm ntasks}:
         var first = t * nblocks // ntasks
         var last = (t + 1) * nblocks // ntasks
-        for blk in range(first, last):
-            _block[wdt, R](x, w, b, y, M, K, N, blk * R, has_bias)
-        if t == ntasks - 1:
-            for n in range(nblocks * R, N):
-                _block[wdt, 1](x, w, b, y, M, K, N, n, has_bias)
+        for m0 in range(0, M, MC):
+            var xm = x + m0 * K
+            var ym = y + m0 * N
+            var mc = min(MC, M - m0)
+            for blk in range(first, last):
+                _block[wdt, R](xm, w, b, ym, mc, K, N, blk * R, has_bias)
+            if t == ntasks - 1:
+                for n in range(nblocks * R, N):
+                    _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)
