@@ -85,7 +85,7 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
         self, state_dict: dict[str, Any], model_config: GPT2ArchConfig
     ) -> dict[str, Any]:
         # GGUF blocks go into the layout MAX's matmul kernel reads, once.
-        return repack(state_dict) if model_config.packed_weights else state_dict
+        return repack(state_dict)
 
     def _instantiate_module(self, model_config: GPT2ArchConfig) -> GPT2:
         module = GPT2(model_config)

@@ -100,22 +100,24 @@ def _repack_graph(encoding: QuantizationEncoding) -> Graph:
 
 
 def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
-    """`state_dict` with every packed weight in the layout MAX's matmul kernel reads.
+    """`state_dict` with every packed weight in the layout MAX's matmul kernel reads
+    (unchanged when nothing is packed).
 
     One small graph per encoding, compiled in a session of its own, repacks
     them all; each result is copied into memory the model keeps (huge pages,
     as the adapters do), since MAX reads CPU weights in place.
     """
-    session: InferenceSession | None = None
-    repackers = {}
+    packed = {n: w for n, w in state_dict.items() if w.quantization_encoding is not None}
+    if not packed:
+        return state_dict
+    session = InferenceSession(devices=[CPU()])
+    repackers = {
+        encoding: session.load(_repack_graph(encoding))
+        for encoding in {w.quantization_encoding for w in packed.values()}
+    }
     repacked = dict(state_dict)
-    for name, weight in state_dict.items():
+    for name, weight in packed.items():
         encoding = weight.quantization_encoding
-        if encoding is None:
-            continue
-        if encoding not in repackers:
-            session = session or InferenceSession(devices=[CPU()])
-            repackers[encoding] = session.load(_repack_graph(encoding))
         blocks = Buffer.from_numpy(np.ascontiguousarray(np.asarray(weight.data)))
         result = repackers[encoding].execute(blocks)[0].to_numpy()
         repacked[name] = WeightData(
