@@ -1,16 +1,22 @@
-"""Registers GPT-2 with MAX under the checkpoint's architecture name."""
+"""Registers GPT-2 with MAX under the checkpoint's architecture name.
+
+Registering also installs the MAX-release shims its requests need (`shims`).
+"""
 
 from max.graph.weights import WeightsFormat
 from max.pipelines.context import TextContext
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.modeling.types import PipelineTask
 
-from .weights import gguf, safetensors
+from . import shims
 from .batch_processor import GPT2BatchProcessor
 from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
 from .model_config import GPT2ArchConfig
 from .tokenizer import GPT2TextTokenizer
+from .weights import gguf, safetensors
+
+shims.install(GPT2TextTokenizer)
 
 gpt2_arch = SupportedArchitecture(
     name="GPT2LMHeadModel",

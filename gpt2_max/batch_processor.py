@@ -27,6 +27,7 @@ from max.pipelines.lib.interfaces.batch_processor import (
 )
 
 from .inputs import GPT2Inputs
+from .shims.internals import processing_offset
 
 
 def position_ids(contexts: Sequence[TextContext]) -> np.ndarray:
@@ -39,12 +40,11 @@ def position_ids(contexts: Sequence[TextContext]) -> np.ndarray:
         # With a processing offset, `tokens.active` starts `offset` tokens after
         # `processed_length` while `current_position` ends `offset` tokens early,
         # so the range below would be wrong. Nothing in MAX 26.7 sets one, and
-        # only the private field tells; tests/test_batch_processor.py fails
-        # loudly if the field goes away.
-        if ctx.tokens._processing_offset:
+        # only a private field tells (see `shims.internals`).
+        if offset := processing_offset(ctx.tokens):
             raise ValueError(
                 f"request {ctx.request_id} has processing offset "
-                f"{ctx.tokens._processing_offset}; gpt2_max positions assume none."
+                f"{offset}; gpt2_max positions assume none."
             )
     return np.concatenate(
         [

@@ -28,6 +28,8 @@ from llguidance import LLMatcher, LLTokenizer
 from max.pipelines.context import ProcessorInputs, TextContext
 from transformers import PreTrainedTokenizerFast
 
+from .shims.internals import run_again
+
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -129,6 +131,6 @@ class GrammarMask:
         kv_length = context.tokens.processed_length
         for token in tokens:
             context.update(token)
-        context.tokens.rewind_processing(context.tokens.processed_length - kv_length)
+        run_again(context.tokens, context.tokens.processed_length - kv_length)
         self.forced += len(tokens)
         return tokens

@@ -31,11 +31,12 @@ from max.pipelines.context import (
     SamplingParamsInput,
     TextContext,
 )
-from max.pipelines.lib.generate import _ROW_SEED_STRIDE, GenerateIterator
+from max.pipelines.lib.generate import GenerateIterator
 from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
 from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenizer
 from .detokenize import IncrementalText
+from .shims.internals import ROW_SEED_STRIDE
 from .stop import StopScanner
 
 FINISH_REASONS = {
@@ -279,7 +280,7 @@ class Generator:
             [prompt] * count,
             max_new_tokens,
             base,
-            seeds=[base.seed + i * _ROW_SEED_STRIDE for i in range(count)],
+            seeds=[base.seed + i * ROW_SEED_STRIDE for i in range(count)],
         )
         # Only full pages are shared, so a prompt within one page is not worth a prefill.
         if count > 1 and rows[0].context.tokens.prompt_length > self.page_size:

@@ -35,6 +35,7 @@ from .embedding import Embedding
 from .linear import project
 from .model_config import GPT2ArchConfig
 from .quantized import linear
+from .shims.internals import graph_value
 
 # Write one layer's new keys / values (`[tokens, heads, head_dim]`) into the paged cache.
 store_k_cache_ragged = F.functional(kernels.store_k_cache_ragged)
@@ -164,7 +165,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
         *kv_inputs: Tensor,
     ) -> ModuleV3Outputs:
         per_device = self.config.kv_params.unflatten_kv_inputs(
-            iter(x._graph_value for x in kv_inputs)
+            iter(graph_value(x) for x in kv_inputs)
         )
         (kv_collection,) = tree.leaves(per_device, leaf=KVCacheInputsPerDevice)
 

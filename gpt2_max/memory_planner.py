@@ -26,7 +26,8 @@ from typing import Any
 
 from max.driver import load_devices
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
-from max.pipelines.lib.memory_estimation import MemoryEstimator
+
+from .shims.internals import free_memory
 
 
 def kv_cache_budget_bytes(kv_params: Any, total_tokens: int) -> int:
@@ -48,7 +49,7 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
         budget = kv_cache_budget_bytes(self._config.get_kv_params(), total_tokens)
         model = pipeline_config.model
         usable = int(
-            MemoryEstimator._free_memory(load_devices(model.device_specs))
+            free_memory(load_devices(model.device_specs))
             * model.kv_cache.device_memory_utilization
         )
         static = (

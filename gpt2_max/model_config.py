@@ -19,7 +19,6 @@ from max.nn.kv_cache import KVCacheParams
 from max.nn.transformer import ReturnLogits
 from max.pipelines.kv_cache import cache_dtype_for_encoding
 from max.pipelines.lib import KVCacheConfig, MAXModelConfig, PipelineConfig
-from max.pipelines.lib.config.model_config import _select_quantization_encoding
 from max.pipelines.lib.interfaces.arch_config import (
     ArchConfigWithKVCache,
     ArchConfigWithStoredKVParams,
@@ -31,6 +30,7 @@ from max.pipelines.modeling.config_enums import (
 from transformers import AutoConfig, AutoTokenizer, GPT2Config
 from typing_extensions import Self, override
 
+from .shims.internals import quantization_encoding
 from .weight_files import check_complete
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
@@ -229,7 +229,7 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
         hf = model_config.huggingface_config
         validate_huggingface_config(hf)
         check_complete(model_config.resolved_weight_paths())
-        encoding = _select_quantization_encoding(model_config, cls.DEFAULT_ENCODING)
+        encoding = quantization_encoding(model_config, cls.DEFAULT_ENCODING)
         devices = [
             DeviceRef(spec.device_type, spec.id) for spec in model_config.device_specs
         ]

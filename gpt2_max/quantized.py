@@ -32,6 +32,7 @@ from max.graph.weights import WeightData
 
 from .linear import SkinnyLinear
 from .model_config import GPT2ArchConfig
+from .shims.internals import quantized_matmul_op, quantized_repack_op
 from .weights.hugepages import hugepage_array
 
 PACKED_ROWS_MULTIPLE = 32
@@ -85,7 +86,7 @@ _PACKED = custom.TemplateType(DType.uint8, [_n, _b])
 def _matmul(encoding: QuantizationEncoding) -> custom.CustomOp:
     """MAX's kernel for `x @ W.T`, `W` repacked (`repack`)."""
     return custom.declare(
-        f"vroom_{encoding.name}_matmul",
+        quantized_matmul_op(encoding),
         inputs={"x": custom.TemplateType(DType.float32, [_m, _k]), "w": _PACKED},
         outputs=[custom.TemplateType(DType.float32, [_m, _n])],
     )
@@ -94,8 +95,8 @@ def _matmul(encoding: QuantizationEncoding) -> custom.CustomOp:
 def _repack_graph(encoding: QuantizationEncoding) -> Graph:
     packed = TensorType(DType.uint8, ["rows", "row_bytes"], DeviceRef.CPU())
     with Graph(f"gpt2_max_repack_{encoding.name}", input_types=[packed]) as graph:
-        name = f"vroom_{encoding.name}_repack_weights"
-        graph.output(ops.custom(name, DeviceRef.CPU(), [graph.inputs[0]], [packed])[0])
+        op = quantized_repack_op(encoding)
+        graph.output(ops.custom(op, DeviceRef.CPU(), [graph.inputs[0]], [packed])[0])
     return graph
 
 

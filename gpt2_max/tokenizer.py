@@ -14,9 +14,9 @@ continue. It is used only for chat requests: completions and `max generate`
 still see a template-less tokenizer and send the raw prompt. A template in the
 checkpoint or `--chat-template` takes precedence.
 
-Building the tokenizer also makes `stop` strings exact under `max serve` on MAX
-releases that need it (`gpt2_max.stop_serving`): the serving layer builds the
-tokenizer before its pipeline, and the fix applies to this tokenizer's requests.
+Exact `stop` strings for this tokenizer's requests under `max serve` are
+`gpt2_max.shims.stop_strings`' business, installed when the architecture is
+registered.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from max.pipelines.modeling.types import (
 )
 from transformers import PreTrainedTokenizerBase
 
-from . import stop_serving
 from .model_config import usable_vocab_size
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
@@ -69,7 +68,6 @@ class GPT2TextTokenizer(TextTokenizer):
             pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
         )
         self.echo_enabled = pipeline_config.model.enable_echo
-        stop_serving.install(GPT2TextTokenizer)
 
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
         if request.echo and request.logprobs and not self.echo_enabled:

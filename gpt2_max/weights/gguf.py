@@ -48,6 +48,7 @@ from max.graph.weights import GGUFWeights, WeightData, Weights
 from transformers import GPT2Config
 
 from ..quantized import padded_rows
+from ..shims.internals import gguf_reader
 from ..tokenizer import copy_tokenizer
 from .gguf_names import block_part, hub_name
 from .hugepages import hugepage_array
@@ -81,12 +82,6 @@ def stays_half(name: str) -> bool:
     return name == "wte.weight" or stays_packed(name)
 
 
-def _reader(weights: Weights) -> gguf.GGUFReader:
-    """The reader MAX's `GGUFWeights` opened (its tensors carry the raw bytes)."""
-    assert isinstance(weights, GGUFWeights), type(weights)
-    return weights._reader
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -99,7 +94,7 @@ def release_pages(weights: GGUFWeights) -> None:
     them from this process; the mapping is a read-only view of the file, so a
     later read would fault them back in from it.
     """
-    data = _reader(weights).data
+    data = gguf_reader(weights).data
     if data.nbytes:
         address = ctypes.c_void_p(data.ctypes.data)
         if _libc.madvise(address, ctypes.c_size_t(data.nbytes), mmap.MADV_DONTNEED):
@@ -182,7 +177,7 @@ def convert_gguf_state_dict(
     """
     if not state_dict:
         raise CheckpointError("the GGUF file holds no tensors.")
-    reader = _reader(next(iter(state_dict.values())))
+    reader = gguf_reader(next(iter(state_dict.values())))
     check_metadata(metadata(reader), huggingface_config)
     tensors = {t.name: t for t in reader.tensors}
     expected = expected_shapes(huggingface_config)

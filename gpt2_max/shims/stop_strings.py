@@ -28,7 +28,7 @@ from typing import Any
 from max.pipelines.context import GenerationStatus
 from max.serve.pipelines.llm import TokenGeneratorOutput, TokenGeneratorPipeline
 
-from .stop import StopScanner
+from ..stop import StopScanner
 
 NEEDED_FOR = ("26.7.",)
 """MAX releases (version prefixes) whose serving layer does not cut at stop strings exactly."""
@@ -62,17 +62,30 @@ async def cut_at_stops(
         await chunks.aclose()
 
 
+_TOKENIZER_TYPES: list[type] = []
+"""Tokenizer types whose requests' stop strings are cut here (one per architecture
+that installed the patch; a process may register several)."""
+
+
 def install(tokenizer_type: type) -> None:
-    """Routes stop strings of requests to `tokenizer_type`'s pipelines through `cut_at_stops`."""
+    """Routes stop strings of requests to `tokenizer_type`'s pipelines through `cut_at_stops`.
+
+    The first call patches `TokenGeneratorPipeline.next_token_chunk` (on the
+    releases in `NEEDED_FOR`); every call adds its tokenizer type.
+    """
+    if not needed():
+        return
+    if tokenizer_type not in _TOKENIZER_TYPES:
+        _TOKENIZER_TYPES.append(tokenizer_type)
     original = TokenGeneratorPipeline.next_token_chunk
-    if not needed() or getattr(original, "cuts_at_stops", False):
+    if getattr(original, "cuts_at_stops", False):
         return
 
     async def next_token_chunk(
         self: TokenGeneratorPipeline, request: Any, **kwargs: Any
     ) -> AsyncGenerator[TokenGeneratorOutput, None]:
         stops = request.sampling_params.stop
-        if not stops or not isinstance(self.tokenizer, tokenizer_type):
+        if not stops or not isinstance(self.tokenizer, tuple(_TOKENIZER_TYPES)):
             return await original(self, request, **kwargs)
         request = replace(request, sampling_params=replace(request.sampling_params, stop=None))
         chunks = await original(self, request, **kwargs)

@@ -1,0 +1,46 @@
+"""Every place gpt2-max leans on MAX beyond its documented API, in one package.
+
+MAX's Python API moves between releases, and a plugin has to reach past it in a
+few places: a private helper, an internal kernel name, a serving-layer bug to
+work around. Each such reach lives here, in a module that says what it leans on
+and why, so nothing else in the package imports a private MAX name:
+
+- `internals`: private MAX names and behaviours read directly (the memory
+  estimator's free-memory query, the quantization-encoding resolver, the GGUF
+  reader under `GGUFWeights`, the quantized CPU kernels' op names, the row-seed
+  stride of MAX's generate loop, a graph tensor's value, a token buffer's
+  processing window).
+- `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
+  serving pipeline on the releases that cut stop strings wrongly.
+
+`WRITTEN_FOR` names the MAX releases these were checked against;
+`tests/shims/` assert that every leaned-on name and behaviour is still there,
+and that the installed MAX is one of those releases, so a new MAX release fails
+those tests by name instead of failing a user at serve time.
+
+`install` runs when the architecture is registered (`gpt2_max.arch`), in every
+process that imports it: the API process, whose serving layer the stop patch
+changes, and the model worker.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from . import stop_strings
+
+WRITTEN_FOR = ("26.7.",)
+"""MAX releases (version prefixes) whose internals this package was checked against."""
+
+
+def max_version() -> str:
+    return importlib.metadata.version("max")
+
+
+def install(tokenizer_type: type) -> None:
+    """Installs the patches `tokenizer_type`'s requests need on this MAX release.
+
+    Idempotent, and safe for several architectures (or copies of this package)
+    in one process: each adds its own tokenizer type.
+    """
+    stop_strings.install(tokenizer_type)

@@ -1,0 +1,68 @@
+"""Private MAX names and behaviours gpt2-max reads, each behind one function.
+
+Every function here is a one-line reach into MAX 26.7 that has no public
+equivalent; `tests/shims/test_internals.py` checks each still exists with the
+meaning used here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.driver import Device
+from max.graph.quantization import QuantizationEncoding
+from max.graph.weights import GGUFWeights
+from max.pipelines.context import TokenBuffer
+from max.pipelines.lib import MAXModelConfig
+from max.pipelines.lib.config.model_config import _select_quantization_encoding
+from max.pipelines.lib.generate import _ROW_SEED_STRIDE
+from max.pipelines.lib.memory_estimation import MemoryEstimator
+
+ROW_SEED_STRIDE: int = _ROW_SEED_STRIDE
+"""MAX's `generate` seeds row `i` of a batch with `seed + i * ROW_SEED_STRIDE`;
+the in-process branches use the same rule, so a seed means the same thing."""
+
+
+def free_memory(devices: list[Device]) -> int:
+    """Free memory on `devices` as MAX's memory estimator sees it (the host's, on the CPU)."""
+    return MemoryEstimator._free_memory(devices)
+
+
+def quantization_encoding(model_config: MAXModelConfig, default: str) -> str:
+    """The encoding MAX resolves for `model_config` (from flags, file names, the default)."""
+    return _select_quantization_encoding(model_config, default)
+
+
+def gguf_reader(weights: GGUFWeights) -> Any:
+    """The `gguf.GGUFReader` MAX's `GGUFWeights` opened (it keeps the file mapped)."""
+    assert isinstance(weights, GGUFWeights), type(weights)
+    return weights._reader
+
+
+def graph_value(tensor: Any) -> Any:
+    """The graph value (tensor or buffer) a ModuleV3 graph input wraps.
+
+    KV-cache inputs include buffers, which `TensorValue(...)` does not take.
+    """
+    return tensor._graph_value
+
+
+def quantized_matmul_op(encoding: QuantizationEncoding) -> str:
+    """MAX's CPU kernel for `x @ W.T` with `W` in `encoding`'s blocks, repacked."""
+    return f"vroom_{encoding.name}_matmul"
+
+
+def quantized_repack_op(encoding: QuantizationEncoding) -> str:
+    """MAX's CPU kernel that repacks `encoding`'s blocks for `quantized_matmul_op`."""
+    return f"vroom_{encoding.name}_repack_weights"
+
+
+def processing_offset(tokens: TokenBuffer) -> int:
+    """A token buffer's processing offset, which only the private field tells."""
+    return tokens._processing_offset
+
+
+def run_again(tokens: TokenBuffer, n: int) -> None:
+    """Makes the last `n` tokens (appended with `update`, so counted as processed)
+    active again, so the next step computes their KV entries."""
+    tokens.rewind_processing(n)

@@ -1,0 +1,90 @@
+"""What `gpt2_max.shims` leans on in MAX is still there and still means the same.
+
+These fail, by name, on a MAX release that moved one of them: the place to
+look is the matching function in `gpt2_max/shims/internals.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+from max.driver import CPU
+from max.experimental.tensor import Tensor
+from max.graph.ops import quantized as max_quantized
+from max.graph.quantization import QuantizationEncoding
+from max.pipelines.context import TextContext, TokenBuffer
+from max.pipelines.lib import generate as max_generate
+
+from gpt2_max import shims
+from gpt2_max.shims import internals
+
+
+def test_the_installed_max_is_a_release_the_shims_were_checked_against() -> None:
+    """A new MAX release: re-check every shim here, then add it to `WRITTEN_FOR`."""
+    assert shims.max_version().startswith(shims.WRITTEN_FOR), shims.max_version()
+
+
+def test_free_memory_reads_the_hosts_memory_on_the_cpu() -> None:
+    assert internals.free_memory([CPU()]) > 2**28
+
+
+def test_the_encoding_resolver_takes_the_config_and_the_default() -> None:
+    parameters = inspect.signature(internals._select_quantization_encoding).parameters
+    assert list(parameters) == ["config", "default_encoding"]
+
+
+def test_generate_seeds_rows_with_the_stride() -> None:
+    assert internals.ROW_SEED_STRIDE == 1 << 32
+    assert "row * _ROW_SEED_STRIDE" in inspect.getsource(max_generate)
+
+
+def test_the_quantized_kernels_are_the_ones_maxs_qmatmul_stages() -> None:
+    source = inspect.getsource(max_quantized)
+    encoding = QuantizationEncoding.Q4_K
+    assert internals.quantized_repack_op(encoding) == "vroom_q4_k_repack_weights"
+    assert 'f"vroom_{quantization_encoding_str}_repack_weights"' in source
+    assert internals.quantized_matmul_op(encoding) == "vroom_q4_k_matmul"
+    assert "_matmul" in source and "vroom" in source
+
+
+def test_module_v3_tensors_wrap_their_graph_value() -> None:
+    assert "_graph_value" in inspect.getsource(Tensor)
+
+
+def test_processing_offset_and_run_again_move_the_active_window() -> None:
+    context = TextContext(max_length=64, tokens=TokenBuffer(np.arange(6, dtype=np.int64)))
+    assert internals.processing_offset(context.tokens) == 0
+    context.apply_processing_offset(2)
+    assert internals.processing_offset(context.tokens) == 2
+
+    context = TextContext(max_length=64, tokens=TokenBuffer(np.arange(6, dtype=np.int64)))
+    context.update(6)  # the prompt ran; token 6 sampled, to run next step
+    in_cache = context.tokens.processed_length
+    for token in (7, 8):  # forced tokens appended: each counts the one before as processed
+        context.update(token)
+    assert context.tokens.active.tolist() == [8]
+    internals.run_again(context.tokens, context.tokens.processed_length - in_cache)
+    assert context.tokens.active.tolist() == [6, 7, 8]
+    assert context.tokens.processed_length == in_cache == 6
+
+
+def test_the_stop_patch_serves_several_tokenizer_types_and_patches_once() -> None:
+    from max.serve.pipelines.llm import TokenGeneratorPipeline
+
+    from gpt2_max.shims import stop_strings
+
+    class First:
+        pass
+
+    class Second:
+        pass
+
+    shims.install(First)
+    patched = TokenGeneratorPipeline.next_token_chunk
+    shims.install(Second)
+    shims.install(First)
+    assert TokenGeneratorPipeline.next_token_chunk is patched
+    assert patched.cuts_at_stops
+    assert stop_strings._TOKENIZER_TYPES.count(First) == 1
+    assert Second in stop_strings._TOKENIZER_TYPES
