@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.checkpoint import preset_config, write_checkpoint
+from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.testing.load import LoadRequest, expected_tokens, run_load
 from gpt2_max.testing.reference import random_prompt
 from gpt2_max.testing.server import PeakRss, max_serve

@@ -67,7 +67,7 @@ import llama_cpp_peer
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.checkpoint import convert_to_gguf, gguf_file_name, preset_config, write_checkpoint
+from gpt2_max.tools.checkpoint import convert_to_gguf, gguf_file_name, preset_config, write_checkpoint
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import (
     hf_greedy,
@@ -76,8 +76,8 @@ from gpt2_max.testing.reference import (
     sampleable,
 )
 from gpt2_max.testing.server import MODEL_NAME, PeakRss, Server, max_serve
-from gpt2_max.weights.gguf import write_companion_files
-from gpt2_max.weights.gguf_writer import FILE_TYPES
+from gpt2_max.tools.gguf_config import write_companion_files
+from gpt2_max.tools.gguf_writer import FILE_TYPES
 
 RESULTS = Path(__file__).parent / "results"
 """The reports, and nothing else."""

@@ -18,7 +18,7 @@ __all__ = ["ARCHITECTURES", "Generator", "gpt2_arch"]
 
 def __getattr__(name: str) -> Any:
     if name == "Generator":
-        from .generator import Generator
+        from .generate import Generator
 
         return Generator
     if name in __all__:

@@ -31,10 +31,8 @@ from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
-from .embedding import Embedding
-from .linear import project
+from .layers import Layers
 from .model_config import GPT2ArchConfig
-from .quantized import linear
 from .shims.internals import graph_value
 
 # Write one layer's new keys / values (`[tokens, heads, head_dim]`) into the paged cache.
@@ -62,15 +60,15 @@ def activation(name: str, x: Tensor) -> Tensor:
 class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
-    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
         self.kv_params = config.kv_params
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale(layer_idx)
         prefix = f"h.{layer_idx}.attn"
-        self.c_attn = linear(config, f"{prefix}.c_attn", config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = linear(config, f"{prefix}.c_proj", config.hidden_size, config.hidden_size)
+        self.c_attn = layers.linear(f"{prefix}.c_attn", config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = layers.linear(f"{prefix}.c_proj", config.hidden_size, config.hidden_size)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
@@ -95,13 +93,11 @@ class GPT2Attention(Module[..., Tensor]):
 class GPT2MLP(Module[[Tensor], Tensor]):
     """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
 
-    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
         self.activation = config.activation
         prefix = f"h.{layer_idx}.mlp"
-        self.c_fc = linear(config, f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
-        self.c_proj = linear(
-            config, f"{prefix}.c_proj", config.feed_forward_size, config.hidden_size
-        )
+        self.c_fc = layers.linear(f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
+        self.c_proj = layers.linear(f"{prefix}.c_proj", config.feed_forward_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(activation(self.activation, self.c_fc(x)))
@@ -110,12 +106,12 @@ class GPT2MLP(Module[[Tensor], Tensor]):
 class GPT2Block(Module[..., Tensor]):
     """Pre-LayerNorm transformer block with residual connections."""
 
-    def __init__(self, config: GPT2ArchConfig, layer_idx: int) -> None:
+    def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
         eps = config.layer_norm_epsilon
         self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(config, layers, layer_idx)
         self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = GPT2MLP(config, layer_idx)
+        self.mlp = GPT2MLP(config, layers, layer_idx)
 
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
@@ -127,30 +123,28 @@ class GPT2Block(Module[..., Tensor]):
 class GPT2(Module[..., ModuleV3Outputs]):
     """GPT-2 language model: embeddings, `n_layer` blocks, final norm, LM head."""
 
-    def __init__(self, config: GPT2ArchConfig) -> None:
+    def __init__(self, config: GPT2ArchConfig, layers: Layers) -> None:
         self.config = config
-        self.wte = Embedding(
-            config.vocab_size, dim=config.hidden_size, dtype=config.weight_dtype("wte.weight")
-        )
-        self.wpe = Embedding(
-            config.max_positions, dim=config.hidden_size, dtype=config.weight_dtype("wpe.weight")
-        )
-        self.h = ModuleList(
-            [GPT2Block(config, i) for i in range(config.num_layers)]
-        )
+        self.layers = layers
+        self.wte = layers.embedding("wte", config.vocab_size, config.hidden_size)
+        self.wpe = layers.embedding("wpe", config.max_positions, config.hidden_size)
+        self.h = ModuleList([GPT2Block(config, layers, i) for i in range(config.num_layers)])
         self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        # A tied head reads `wte` in place (both `project` paths take `[out, in]`
-        # weights, no copy); otherwise the head has its own `[vocab, hidden]` weight.
+        # A tied head multiplies `wte` in place (`[vocab, hidden]`, no copy);
+        # otherwise the head has its own weight.
         self.lm_head = (
             None
             if config.head_reads_wte
-            else linear(config, "lm_head", config.hidden_size, config.vocab_size, bias=False)
+            else layers.linear("lm_head", config.hidden_size, config.vocab_size, bias=False)
         )
 
     def logits(self, h: Tensor) -> Tensor:
         """Final LayerNorm and LM head for the rows of `h`; ids the tokenizer lacks get -inf."""
         h = self.ln_f(h)
-        logits = project(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+        if self.lm_head is None:
+            logits = self.layers.tied_head(h, self.wte.weight)
+        else:
+            logits = self.lm_head(h)
         if self.config.usable_vocab_size < self.config.vocab_size:
             ids = F.arange(0, self.config.vocab_size, dtype=DType.int64, device=logits.device)
             logits = F.where(ids < self.config.usable_vocab_size, logits, float("-inf"))

@@ -2,9 +2,11 @@
 
 `ModuleV3PipelineModelWithKVCache` owns the flow: it reads the weights through
 the adapter of their format (`weights/`), asks `_create_model_config` for the
-config, builds the module under `F.lazy()` (so no placeholder weights are ever
-allocated), compiles it once with symbolic batch and sequence dimensions, and
-runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
+config (which records how the weights are held: `weights.plan`), lets the
+layers prepare the weights they read (`layers.layers_for`), builds the module
+under `F.lazy()` (so no placeholder weights are ever allocated), compiles it
+once with symbolic batch and sequence dimensions, and runs it every step on
+the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 `LogProbabilitiesMixin` adds log-probabilities from the logits the graph returns.
 """
 
@@ -14,8 +16,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from max.dtype import DType
-from max.graph.weights import GGUFWeights, SafetensorWeights
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
@@ -24,8 +24,9 @@ from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
 from .model_config import GPT2ArchConfig
-from .quantized import repack
-from .weights.gguf import release_pages
+from .layers import layers_for
+from .weights.mapping import release
+from .weights.plan import WeightPlan
 
 
 class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
@@ -35,23 +36,9 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
 
     def load_model(self) -> Callable[..., Any]:
-        """Compiles the model, then closes the checkpoint's file mapping.
-
-        MAX reads a CPU weight in place for the model's lifetime (the compiled
-        callable keeps the arrays it was given), so the model must not be
-        handed views of the mapping. The safetensors adapter copies every
-        tensor, and so does the GGUF one; once compiled, nothing the model
-        reads lies in the file, and its pages, all touched at load, would
-        otherwise stay resident. Closing lets the mapping go, as MAX's own
-        release does on GPUs; a GGUF mapping, which MAX gives no way to close,
-        keeps no pages.
-        """
+        """Compiles the model, then lets the checkpoint's file go (`weights.mapping`)."""
         compiled = super().load_model()
-        # `getattr` would not do: `Weights` answer any attribute with a child.
-        if isinstance(self.weights, SafetensorWeights):
-            self.weights.close()
-        elif isinstance(self.weights, GGUFWeights):
-            release_pages(self.weights)  # It has no `close()`.
+        release(self.weights)
         return compiled
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
@@ -67,27 +54,15 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
         return dataclasses.replace(
             self.arch_config_as(GPT2ArchConfig),
             return_logits=self.return_logits,
-            # GGUF blocks MAX multiplies packed arrive with their encoding set.
-            packed_weights={
-                name: weight.quantization_encoding
-                for name, weight in state_dict.items()
-                if weight.quantization_encoding is not None
-            },
-            # Float matrices kept in half precision (F16 GGUFs) are held as loaded.
-            weight_dtypes={
-                name: weight.dtype
-                for name, weight in state_dict.items()
-                if weight.quantization_encoding is None and weight.dtype != DType.float32
-            },
+            weights=WeightPlan.of(state_dict),
         )
 
     def _prepare_state_dict(
         self, state_dict: dict[str, Any], model_config: GPT2ArchConfig
     ) -> dict[str, Any]:
-        # GGUF blocks go into the layout MAX's matmul kernel reads, once.
-        return repack(state_dict)
+        return layers_for(model_config).prepare(state_dict)
 
     def _instantiate_module(self, model_config: GPT2ArchConfig) -> GPT2:
-        module = GPT2(model_config)
+        module = GPT2(model_config, layers_for(model_config))
         module.to(self.devices[0])
         return module

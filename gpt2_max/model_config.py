@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 
 from max.dtype import DType
 from max.graph import DeviceRef
-from max.graph.quantization import QuantizationEncoding
 from max.nn.kv_cache import KVCacheParams
 from max.nn.transformer import ReturnLogits
 from max.pipelines.kv_cache import cache_dtype_for_encoding
@@ -32,6 +31,8 @@ from typing_extensions import Self, override
 
 from .shims.internals import quantization_encoding
 from .weight_files import check_complete
+from .weights.plan import PACKED_ENCODINGS, WeightPlan
+from .weights.schema import feed_forward_size, ties_word_embeddings
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
 #: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
@@ -52,21 +53,8 @@ ACTIVATIONS: dict[str, str] = {
 }
 
 
-QUANTIZED_ENCODINGS: frozenset[SupportedEncoding] = frozenset({"q4_0", "q4_k", "q6_k"})
-
-
 GPT2_VOCAB_SIZE: int = GPT2Config().vocab_size
 """The vocabulary every GPT-2 family member and the vendored tokenizer share."""
-
-
-def feed_forward_size(hf_config: Any) -> int:
-    """The MLP's inner width: `n_inner`, or transformers' `4 * n_embd` when it is null."""
-    return getattr(hf_config, "n_inner", None) or 4 * hf_config.n_embd
-
-
-def ties_word_embeddings(hf_config: Any) -> bool:
-    """Whether the LM head reuses `wte`: transformers ties it unless told otherwise."""
-    return getattr(hf_config, "tie_word_embeddings", True)
 
 
 def usable_vocab_size(model_vocab_size: int, tokenizer_vocab_size: int) -> int:
@@ -139,7 +127,7 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
-    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32", "q4_0", "q4_k", "q6_k"}
+    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32", *PACKED_ENCODINGS}
     """float32 from safetensors or F32/F16/BF16 GGUFs (F16 matrices stay float16 in
     memory, see `weights.gguf`); MAX's CPU GGUF block encodings.
     A GGUF's tensors keep their own types whatever the encoding (mixed files are
@@ -164,22 +152,15 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     devices: list[DeviceRef]
     kv_params: KVCacheParams
     return_logits: ReturnLogits = ReturnLogits.LAST_TOKEN
-    packed_weights: dict[str, QuantizationEncoding] = field(default_factory=dict)
-    """Parameters loaded as GGUF blocks, by name; the model builds packed layers for them."""
-    weight_dtypes: dict[str, DType] = field(default_factory=dict)
-    """Unpacked parameters loaded in another dtype than float32 (float16 from F16
-    GGUFs), by name; the model holds them in that dtype (see `weight_dtype`)."""
+    weights: WeightPlan = field(default_factory=WeightPlan)
+    """How the loaded weights are held (packed, float16); the layers follow it."""
 
     @property
     def head_reads_wte(self) -> bool:
         """Whether the LM head multiplies by `wte` in place: a tied head does, unless
         the checkpoint gave it the token table packed as `lm_head.weight` (a
         quantized GGUF), which it then multiplies as blocks, as a layer of its own."""
-        return self.tie_word_embeddings and "lm_head.weight" not in self.packed_weights
-
-    def weight_dtype(self, name: str) -> DType:
-        """The dtype parameter `name` is held in: as loaded, float32 unless listed."""
-        return self.weight_dtypes.get(name, DType.float32)
+        return self.tie_word_embeddings and self.weights.encoding("lm_head.weight") is None
 
     def attention_scale(self, layer_idx: int) -> float:
         """The softmax scale of layer `layer_idx`, as transformers' GPT-2 applies it."""
@@ -259,7 +240,7 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             # encoding (a block encoding's own dtype, uint8, is its packing).
             dtype=(
                 DType.float32
-                if encoding in QUANTIZED_ENCODINGS
+                if encoding in PACKED_ENCODINGS
                 else supported_encoding_dtype(encoding)
             ),
             devices=devices,

@@ -16,8 +16,8 @@ import pytest
 from max.pipelines import AutoModel
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.checkpoint import save_hub_checkpoint
-from gpt2_max.generator import Generator
+from gpt2_max.tools.checkpoint import save_hub_checkpoint
+from gpt2_max.generate import Generator
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from gpt2_max.testing.reference import (
     TINY,

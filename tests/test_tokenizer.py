@@ -5,7 +5,7 @@ from __future__ import annotations
 from max.pipelines.modeling.types import TextGenerationRequestMessage
 from transformers import AutoTokenizer
 
-from gpt2_max.checkpoint import TOKENIZER_DIR
+from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, GPT2TextTokenizer
 
 

@@ -1,6 +1,6 @@
 """Hugging Face transformers as the reference: tiny random checkpoints and their exact outputs.
 
-A checkpoint is written by `gpt2_max.checkpoint` (the one hub-layout writer)
+A checkpoint is written by `gpt2_max.tools.checkpoint` (the one hub-layout writer)
 and read back by transformers, which then says what any server of it must
 answer: the greedy tokens of a prompt and their log-probabilities.
 `save_transformers_layout` writes the other layout, with transformers itself.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.checkpoint import (
+from gpt2_max.tools.checkpoint import (
     TOKENIZER_DIR,
     copy_tokenizer,
     gguf_file_name,
@@ -26,8 +26,9 @@ from gpt2_max.checkpoint import (
     save_hub_checkpoint,
 )
 from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
-from gpt2_max.weights.gguf_names import block_part, hub_name
-from gpt2_max.weights.gguf_writer import CONV1D, write_gguf
+from gpt2_max.weights.gguf_names import hub_name
+from gpt2_max.weights.schema import is_projection_weight
+from gpt2_max.tools.gguf_writer import write_gguf
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
 """A GPT-2 small enough to compile and run quickly, with the real vocabulary."""
@@ -164,7 +165,7 @@ def hf_on_gguf_weights(model: GPT2LMHeadModel, path: Path) -> GPT2LMHeadModel:
     for tensor in gguf.GGUFReader(path).tensors:
         name = hub_name(tensor.name)
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if array.ndim == 2 and block_part(name) in CONV1D:
+        if is_projection_weight(name):
             array = array.T
         key = name if name == "lm_head.weight" else f"transformer.{name}"
         params[key] = torch.from_numpy(np.ascontiguousarray(array))

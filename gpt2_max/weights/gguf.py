@@ -25,17 +25,13 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
 
 MAX 26.7 builds a model's config only from `config.json` (before any plugin code
 runs), so a GGUF is served from a folder holding it with a `config.json` and
-tokenizer files: `python -m gpt2_max.weights.gguf FILE.gguf` derives both from
-the file's metadata. The adapter checks that metadata against `config.json`.
+tokenizer files: `gpt2-max-gguf-config FILE.gguf` (`gpt2_max.tools.gguf_config`)
+derives both from the file's metadata. The adapter checks that metadata against `config.json`.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import json
 import logging
-import mmap
 from pathlib import Path
 from typing import Any
 
@@ -45,60 +41,33 @@ from gguf import GGMLQuantizationType as Q
 from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights, WeightData, Weights
-from transformers import GPT2Config
 
-from ..quantized import padded_rows
 from ..shims.internals import gguf_reader
-from ..tokenizer import copy_tokenizer
-from .gguf_names import block_part, hub_name
+from .gguf_names import hub_name
+from .plan import PACKED_ENCODINGS
 from .hugepages import hugepage_array
-from .safetensors import CheckpointError, expected_shapes
+from .schema import CheckpointError, expected_shapes, feed_forward_size, is_projection_weight
 
 logger = logging.getLogger("max.pipelines")
 
 KERNEL_ENCODINGS: dict[Q, QuantizationEncoding] = {
-    Q.Q4_0: QuantizationEncoding.Q4_0,
-    Q.Q4_K: QuantizationEncoding.Q4_K,
-    Q.Q6_K: QuantizationEncoding.Q6_K,
+    Q[name.upper()]: QuantizationEncoding[name.upper()] for name in PACKED_ENCODINGS
 }
 """Block types MAX can multiply (`qmatmul`) and gather-dequantize on the CPU."""
 
 WIDENED = (Q.F16, Q.BF16)
 """Float types read exactly (widened to float32 unless `stays_half`)."""
 
-PACKABLE = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-"""Block layers whose weights may stay packed; so may an untied `lm_head`."""
 
 def stays_packed(name: str) -> bool:
     """Whether a quantized tensor `name` is used packed (by a matmul)."""
-    return name == "lm_head.weight" or (
-        name.endswith(".weight") and block_part(name) in PACKABLE
-    )
+    return name == "lm_head.weight" or is_projection_weight(name)
 
 
 def stays_half(name: str) -> bool:
     """Whether an F16 tensor `name` is held as float16: a matmul weight, or the
     token table (a tied head streams it every decode step)."""
     return name == "wte.weight" or stays_packed(name)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def release_pages(weights: GGUFWeights) -> None:
-    """Returns the file's pages to the kernel once every tensor has been copied out.
-
-    `GGUFWeights` has no `close()`: its reader keeps the whole file mapped for
-    the life of the process, and the pages the adapter read stay resident
-    beside the copies the model holds (`hugepage_array`). `MADV_DONTNEED` drops
-    them from this process; the mapping is a read-only view of the file, so a
-    later read would fault them back in from it.
-    """
-    data = gguf_reader(weights).data
-    if data.nbytes:
-        address = ctypes.c_void_p(data.ctypes.data)
-        if _libc.madvise(address, ctypes.c_size_t(data.nbytes), mmap.MADV_DONTNEED):
-            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on the GGUF mapping")
 
 
 def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -129,7 +98,7 @@ def check_metadata(meta: dict[str, Any], hf_config: Any) -> None:
         ("gpt2.block_count", hf_config.n_layer, "n_layer"),
         ("gpt2.embedding_length", hf_config.n_embd, "n_embd"),
         ("gpt2.attention.head_count", hf_config.n_head, "n_head"),
-        ("gpt2.feed_forward_length", hf_config.n_inner or 4 * hf_config.n_embd, "n_inner"),
+        ("gpt2.feed_forward_length", feed_forward_size(hf_config), "n_inner"),
         ("gpt2.context_length", hf_config.n_positions, "n_positions"),
         ("gpt2.attention.layer_norm_epsilon", hf_config.layer_norm_epsilon, "layer_norm_epsilon"),
     ):
@@ -155,12 +124,9 @@ def writable(array: np.ndarray) -> np.ndarray:
 
 
 def _packed(name: str, weights: Weights) -> WeightData:
-    """A quantized matrix as its blocks, rows padded for MAX's kernels (`padded_rows`)."""
+    """A quantized matrix as its blocks, one row per output feature."""
     packed = weights.data()
     blocks = np.asarray(packed.data)
-    rows = padded_rows(blocks.shape[0])
-    if rows != blocks.shape[0]:
-        blocks = np.pad(blocks, ((0, rows - blocks.shape[0]), (0, 0)))
     return WeightData(
         writable(blocks), name, packed.dtype, Shape(blocks.shape), packed.quantization_encoding
     )
@@ -224,77 +190,3 @@ def convert_gguf_state_dict(
             ", ".join(dequantized),
         )
     return converted
-
-
-def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Config:
-    """The transformers config a llama.cpp GPT-2 GGUF implies.
-
-    GGUF has no fields for `activation_function`, `scale_attn_weights`,
-    `scale_attn_by_inverse_layer_idx` or `reorder_and_upcast_attn`; llama.cpp
-    computes GPT-2's defaults (tanh GELU, 1/sqrt(head_dim)), and so does this.
-    """
-    n_embd = int(meta["gpt2.embedding_length"])
-    tokens = meta.get("tokenizer.ggml.tokens")
-    # Stored as float32: its shortest decimal is what was written (1e-05).
-    epsilon = np.float32(meta.get("gpt2.attention.layer_norm_epsilon", 1e-5))
-    return GPT2Config(
-        architectures=["GPT2LMHeadModel"],
-        n_layer=int(meta["gpt2.block_count"]),
-        n_embd=n_embd,
-        n_head=int(meta["gpt2.attention.head_count"]),
-        n_inner=int(meta.get("gpt2.feed_forward_length", 4 * n_embd)),
-        n_positions=int(meta["gpt2.context_length"]),
-        layer_norm_epsilon=float(str(epsilon)),
-        vocab_size=len(tokens) if tokens else 50257,
-        bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 50256)),
-        eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 50256)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-    )
-
-
-def write_tokenizer(meta: dict[str, Any], folder: Path) -> None:
-    """GPT-2 tokenizer files from the file's `gpt2` tokenizer, else the vendored ones."""
-    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-    if meta.get("tokenizer.ggml.model") != "gpt2" or not tokens or not merges:
-        copy_tokenizer(folder)
-        return
-    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    eos = tokens[int(meta.get("tokenizer.ggml.eos_token_id", len(tokens) - 1))]
-    bos = tokens[int(meta.get("tokenizer.ggml.bos_token_id", len(tokens) - 1))]
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "GPT2Tokenizer",
-                "bos_token": bos,
-                "eos_token": eos,
-                "unk_token": eos,
-                "add_prefix_space": False,
-            }
-        )
-    )
-
-
-def write_companion_files(path: Path) -> Path:
-    """Writes `config.json` and tokenizer files beside the GGUF at `path`."""
-    reader = gguf.GGUFReader(path)
-    meta = metadata(reader)
-    check_architecture(meta)
-    config = huggingface_config(meta, {t.name for t in reader.tensors})
-    config.to_json_file(path.parent / "config.json")
-    write_tokenizer(meta, path.parent)
-    return path.parent
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Writes config.json and tokenizer files beside a GPT-2 GGUF, "
-        "so `max serve --model <its folder>` can serve it."
-    )
-    parser.add_argument("gguf_file", type=Path)
-    folder = write_companion_files(parser.parse_args(argv).gguf_file)
-    print(f"wrote config.json and tokenizer files to {folder}")
-
-
-if __name__ == "__main__":
-    main()

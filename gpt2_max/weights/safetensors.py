@@ -18,57 +18,14 @@ checkpoint fails naming the tensor; half-precision tensors become float32.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 from max.dtype import DType
 from max.graph.weights import WeightData, Weights
 
-from ..model_config import feed_forward_size, ties_word_embeddings
 from .hugepages import hugepage_array
-
-CONV1D_WEIGHTS = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
-"""Weights stored by transformers' `Conv1D` as `[in_features, out_features]`."""
-
-CAUSAL_MASK_BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
-"""Constant mask buffers older checkpoints carry; attention masks in-kernel."""
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match its config."""
-
-
-def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """Every parameter `gpt2.GPT2` needs, in MAX's `[out, in]` layout."""
-    hidden, vocab = hf_config.n_embd, hf_config.vocab_size
-    inner = feed_forward_size(hf_config)
-    shapes: dict[str, tuple[int, ...]] = {
-        "wte.weight": (vocab, hidden),
-        "wpe.weight": (hf_config.n_positions, hidden),
-        "ln_f.weight": (hidden,),
-        "ln_f.bias": (hidden,),
-    }
-    for i in range(hf_config.n_layer):
-        for name, shape in {
-            "ln_1.weight": (hidden,),
-            "ln_1.bias": (hidden,),
-            "attn.c_attn.weight": (3 * hidden, hidden),
-            "attn.c_attn.bias": (3 * hidden,),
-            "attn.c_proj.weight": (hidden, hidden),
-            "attn.c_proj.bias": (hidden,),
-            "ln_2.weight": (hidden,),
-            "ln_2.bias": (hidden,),
-            "mlp.c_fc.weight": (inner, hidden),
-            "mlp.c_fc.bias": (inner,),
-            "mlp.c_proj.weight": (hidden, inner),
-            "mlp.c_proj.bias": (hidden,),
-        }.items():
-            shapes[f"h.{i}.{name}"] = shape
-    if not ties_word_embeddings(hf_config):
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
+from .schema import CAUSAL_MASK_BUFFERS, CheckpointError, expected_shapes, hub_shape, is_projection_weight
 
 def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
     """The tensor as float32 in an array of its own, maybe transposed.
@@ -111,14 +68,13 @@ def convert_safetensor_state_dict(
                 f"unexpected tensor {key!r}: not a GPT2LMHeadModel parameter."
             )
         weight = weights.data()
-        conv1d = CONV1D_WEIGHTS.fullmatch(name) is not None
-        stored_shape = expected[name][::-1] if conv1d else expected[name]
+        stored_shape = hub_shape(name, expected[name])
         shape = tuple(int(d) for d in weight.shape)
         if shape != stored_shape:
             raise CheckpointError(
                 f"tensor {key!r} has shape {shape}; the config implies {stored_shape}."
             )
-        converted[name] = _as_float32(name, weight, transpose=conv1d)
+        converted[name] = _as_float32(name, weight, transpose=is_projection_weight(name))
     missing = [name for name in expected if name not in converted]
     if missing:
         raise CheckpointError(

@@ -25,11 +25,14 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import load_weights
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.checkpoint import TOKENIZER_DIR, random_hub_state_dict
-from gpt2_max.weights.gguf import CheckpointError, convert_gguf_state_dict, write_companion_files
+from gpt2_max.tokenizer import TOKENIZER_DIR
+from gpt2_max.tools.checkpoint import random_hub_state_dict
+from gpt2_max.tools.gguf_config import write_companion_files
+from gpt2_max.weights.gguf import convert_gguf_state_dict
+from gpt2_max.weights.schema import CheckpointError
 from gpt2_max.weights.gguf_names import gguf_name
-from gpt2_max.weights.gguf_quants import quantize
-from gpt2_max.weights.gguf_writer import gguf_tensors, write_gguf, write_tensors
+from gpt2_max.tools.gguf_quants import quantize
+from gpt2_max.tools.gguf_writer import gguf_tensors, write_gguf, write_tensors
 from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_prompt
 
 NEW_TOKENS = 32

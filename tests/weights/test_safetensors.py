@@ -21,7 +21,8 @@ from gpt2_max.testing.reference import (
     save_transformers_layout,
     write_tiny_checkpoint,
 )
-from gpt2_max.weights.safetensors import CheckpointError, convert_safetensor_state_dict
+from gpt2_max.weights.safetensors import convert_safetensor_state_dict
+from gpt2_max.weights.schema import CheckpointError
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -28,7 +28,7 @@ from llguidance import LLMatcher, LLTokenizer
 from max.pipelines.context import ProcessorInputs, TextContext
 from transformers import PreTrainedTokenizerFast
 
-from .shims.internals import run_again
+from ..shims.internals import run_again
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 

@@ -1,7 +1,7 @@
 """Writes a random-weight GPT-2 checkpoint, so MAX can serve GPT-2 with no network.
 
-    python -m gpt2_max.checkpoint ./gpt2-random --preset gpt2
-    python -m gpt2_max.checkpoint ./gpt2-q4 --preset gpt2 --format gguf --type q4_k_m
+    gpt2-max-checkpoint ./gpt2-random --preset gpt2
+    gpt2-max-checkpoint ./gpt2-q4 --preset gpt2 --format gguf --type q4_k_m
 
 The folder has what a hub GPT-2 repository has: `config.json`, `model.safetensors`
 in the original hub layout (bare keys, `Conv1D` weights stored `[in, out]`,
@@ -23,9 +23,9 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 from transformers import GPT2Config
 
-from .model_config import feed_forward_size, ties_word_embeddings
-from .tokenizer import TOKENIZER_DIR, copy_tokenizer
-from .weights import gguf, gguf_writer
+from ..tokenizer import TOKENIZER_DIR, copy_tokenizer
+from ..weights.schema import expected_shapes, hub_shape
+from . import gguf_config, gguf_writer
 
 PRESETS: dict[str, dict[str, int]] = {
     "distilgpt2": dict(n_layer=6, n_embd=768, n_head=12),
@@ -40,39 +40,16 @@ PRESETS: dict[str, dict[str, int]] = {
 def random_hub_state_dict(
     config: GPT2Config, seed: int = 0, std: float = 0.02
 ) -> dict[str, np.ndarray]:
-    """Random float32 parameters for `config`, keyed and laid out as on the hub."""
+    """Random float32 parameters for `config`, keyed and laid out as on the hub.
+
+    Normal(0, `std`) everywhere, except LayerNorm scales, which are 1 + that.
+    """
     rng = np.random.default_rng(seed)
-    hidden, inner = config.n_embd, feed_forward_size(config)
-
-    def normal(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, std, size=shape).astype(np.float32)
-
-    def near_one(n: int) -> np.ndarray:
-        return (1.0 + normal(n)).astype(np.float32)
-
-    state = {
-        "wte.weight": normal(config.vocab_size, hidden),
-        "wpe.weight": normal(config.n_positions, hidden),
-        "ln_f.weight": near_one(hidden),
-        "ln_f.bias": normal(hidden),
-    }
-    for i in range(config.n_layer):
-        state |= {
-            f"h.{i}.ln_1.weight": near_one(hidden),
-            f"h.{i}.ln_1.bias": normal(hidden),
-            f"h.{i}.attn.c_attn.weight": normal(hidden, 3 * hidden),
-            f"h.{i}.attn.c_attn.bias": normal(3 * hidden),
-            f"h.{i}.attn.c_proj.weight": normal(hidden, hidden),
-            f"h.{i}.attn.c_proj.bias": normal(hidden),
-            f"h.{i}.ln_2.weight": near_one(hidden),
-            f"h.{i}.ln_2.bias": normal(hidden),
-            f"h.{i}.mlp.c_fc.weight": normal(hidden, inner),
-            f"h.{i}.mlp.c_fc.bias": normal(inner),
-            f"h.{i}.mlp.c_proj.weight": normal(inner, hidden),
-            f"h.{i}.mlp.c_proj.bias": normal(hidden),
-        }
-    if not ties_word_embeddings(config):
-        state["lm_head.weight"] = normal(config.vocab_size, hidden)
+    state = {}
+    for name, shape in expected_shapes(config).items():
+        values = rng.normal(0.0, std, size=hub_shape(name, shape)).astype(np.float32)
+        is_norm_scale = name.split(".")[-2].startswith("ln_") and name.endswith(".weight")
+        state[name] = (1.0 + values).astype(np.float32) if is_norm_scale else values
     return state
 
 
@@ -116,7 +93,7 @@ def write_gguf_checkpoint(
         file_type,
         TOKENIZER_DIR,
     )
-    gguf.write_companion_files(path)
+    gguf_config.write_companion_files(path)
     return path
 
 

@@ -3,14 +3,14 @@
 ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
 MAX's kernel quantizes the activations to 8 bits per block and runs integer dot
-products against them on the CPU. `linear` picks the class from the encoding
-the loaded weight carries (`GPT2ArchConfig.packed_weights`), so `gpt2.py` builds
-the same tree for every file type.
+products against them on the CPU. `FastLayers.linear` builds one for each
+weight the weights plan lists as packed, so `gpt2.py` builds the same tree for
+every file type.
 
 The kernel multiplies a repacked layout of the blocks (same shape and bytes per
 row, interleaved for its dot products). `F.qmatmul` repacks inside the graph,
 so every decode step would rewrite every packed weight before reading it;
-`repack` does that once at load (`GPT2PipelineModel._prepare_state_dict`), and
+`repack` does that once at load (`FastLayers.prepare`), and
 the graph calls MAX's matmul kernel on the result.
 """
 
@@ -26,14 +26,12 @@ from max.engine import InferenceSession
 from max.experimental import custom
 from max.experimental.nn import Module
 from max.experimental.tensor import Tensor
-from max.graph import DeviceRef, Graph, TensorType, ops
+from max.graph import DeviceRef, Graph, Shape, TensorType, ops
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
-from .linear import SkinnyLinear
-from .model_config import GPT2ArchConfig
-from .shims.internals import quantized_matmul_op, quantized_repack_op
-from .weights.hugepages import hugepage_array
+from ..shims.internals import quantized_matmul_op, quantized_repack_op
+from ..weights.hugepages import hugepage_array
 
 PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
@@ -101,8 +99,8 @@ def _repack_graph(encoding: QuantizationEncoding) -> Graph:
 
 
 def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
-    """`state_dict` with every packed weight in the layout MAX's matmul kernel reads
-    (unchanged when nothing is packed).
+    """`state_dict` with every packed weight in the layout MAX's matmul kernel reads,
+    its rows padded to `padded_rows` (unchanged when nothing is packed).
 
     One small graph per encoding, compiled in a session of its own, repacks
     them all; each result is copied into memory the model keeps (huge pages,
@@ -119,21 +117,11 @@ def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
     repacked = dict(state_dict)
     for name, weight in packed.items():
         encoding = weight.quantization_encoding
-        blocks = Buffer.from_numpy(np.ascontiguousarray(np.asarray(weight.data)))
-        result = repackers[encoding].execute(blocks)[0].to_numpy()
+        blocks = np.asarray(weight.data)
+        rows = padded_rows(blocks.shape[0])
+        blocks = np.pad(blocks, ((0, rows - blocks.shape[0]), (0, 0)))
+        result = repackers[encoding].execute(Buffer.from_numpy(blocks))[0].to_numpy()
         repacked[name] = WeightData(
-            hugepage_array(result), name, weight.dtype, weight.shape, encoding
+            hugepage_array(result), name, weight.dtype, Shape(result.shape), encoding
         )
     return repacked
-
-
-def linear(
-    config: GPT2ArchConfig, name: str, in_dim: int, out_dim: int, *, bias: bool = True
-) -> SkinnyLinear | QuantizedLinear:
-    """The linear layer for parameter prefix `name`, packed if its weight is, else
-    holding its weight in the dtype it was loaded in."""
-    encoding = config.packed_weights.get(f"{name}.weight")
-    if encoding is None:
-        dtype = config.weight_dtype(f"{name}.weight")
-        return SkinnyLinear(in_dim, out_dim, bias=bias, dtype=dtype)
-    return QuantizedLinear(in_dim, out_dim, encoding, bias=bias)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.checkpoint import (
+from gpt2_max.tools.checkpoint import (
     PRESETS,
     main,
     preset_config,

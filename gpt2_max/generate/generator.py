@@ -8,7 +8,7 @@ same tokens), and `GenerateIterator.from_contexts` runs a fixed batch one
 parameters and logits processors. What MAX has no in-process form of is added
 on top: text and stop strings (`gpt2_max.stop`), UTF-8-safe streaming,
 branches that share one prefill through the prefix cache, and grammar
-constraints (`gpt2_max.constrained`).
+constraints (`constrained.py`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
 from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenizer
 from .detokenize import IncrementalText
-from .shims.internals import ROW_SEED_STRIDE
-from .stop import StopScanner
+from ..shims.internals import ROW_SEED_STRIDE
+from ..stop import StopScanner
 
 FINISH_REASONS = {
     GenerationStatus.END_OF_SEQUENCE: "stop",

@@ -7,7 +7,7 @@ blocks run along the input dimension; 1-D tensors (norms, biases) stay F32
 whatever the file type, and position embeddings are never quantized. The
 tokenizer goes into the file's metadata, so the file alone is a servable model.
 
-    python -m gpt2_max.checkpoint out --preset gpt2 --format gguf --type q4_k_m
+    python -m gpt2_max.tools.checkpoint out --preset gpt2 --format gguf --type q4_k_m
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType
 from transformers import GPT2Config
 
-from .gguf_names import block_part, gguf_name
+from ..weights.gguf_names import gguf_name
 from .gguf_quants import QK_K, quantize
-from .safetensors import CAUSAL_MASK_BUFFERS
+from ..weights.schema import CAUSAL_MASK_BUFFERS, is_projection_weight
 
-CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """Block layers the hub stores `[in, out]`; GGUF stores them `[out, in]`."""
 
 def _use_more_bits(layer: int, n_layer: int) -> bool:
@@ -131,7 +130,7 @@ def gguf_tensors(
         if hub_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", True):
             continue
         array = np.asarray(array, dtype=np.float32)
-        if array.ndim == 2 and block_part(hub_name) in CONV1D:
+        if is_projection_weight(hub_name):
             array = np.ascontiguousarray(array.T)
         tensors[gguf_name(hub_name)] = array
     has_output = "output.weight" in tensors

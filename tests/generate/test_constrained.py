@@ -17,7 +17,7 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from gpt2_max.constrained import JSON_OPTIONS
+from gpt2_max.generate.constrained import JSON_OPTIONS
 
 NAME = {"type": "string", "maxLength": 8}
 SCHEMAS = {

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from transformers import GPT2Config
 
-from gpt2_max.checkpoint import (
+from gpt2_max.tools.checkpoint import (
     PRESETS,
     TOKENIZER_DIR,
     convert_to_gguf,
@@ -22,9 +22,9 @@ from gpt2_max.checkpoint import (
     random_hub_state_dict,
     write_checkpoint,
 )
-from gpt2_max.weights.gguf_quants import quantize
+from gpt2_max.tools.gguf_quants import quantize
 from gpt2_max.weights.gguf_names import gguf_name
-from gpt2_max.weights.gguf_writer import write_gguf
+from gpt2_max.tools.gguf_writer import write_gguf
 
 # K formats need rows of a multiple of 256 values.
 MASK = re.compile(r"h\.\d+\.attn\.bias")

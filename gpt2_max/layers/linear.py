@@ -21,7 +21,7 @@ from max.experimental.nn import Linear
 from max.experimental.tensor import Tensor
 from max.graph import DeviceRef, TensorType, TensorValue
 
-from . import kernels
+from .. import kernels
 
 SKINNY_MAX_ROWS = 16
 """Steps of up to this many rows (tokens of the whole batch) use the skinny kernel."""

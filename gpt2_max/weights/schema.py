@@ -1,0 +1,80 @@
+"""GPT-2's parameters as every reader and writer of its weights sees them.
+
+The module tree of `gpt2.GPT2` keeps the Hugging Face hub names, so one table
+serves the safetensors and GGUF adapters, the GGUF writer and the random
+checkpoint writer: every parameter's name and its shape in MAX's `[out, in]`
+layout. The hub stores the four block projections (transformers' `Conv1D`)
+`[in, out]`; `hub_shape` says so, and the safetensors adapter transposes them,
+once, at load. A checkpoint that does not fit the table raises `CheckpointError`
+naming the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+PROJECTIONS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+"""A block's linear layers: `Conv1D` on the hub, the matrices a decode step
+streams, and the ones GGUF files quantize."""
+
+CAUSAL_MASK_BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
+"""Constant mask buffers older checkpoints carry; attention masks in-kernel."""
+
+_BLOCK_PARAMETER = re.compile(r"h\.\d+\.(.+)\.(weight|bias)")
+
+
+def feed_forward_size(hf_config: Any) -> int:
+    """The MLP's inner width: `n_inner`, or transformers' `4 * n_embd` when it is null."""
+    return getattr(hf_config, "n_inner", None) or 4 * hf_config.n_embd
+
+
+def ties_word_embeddings(hf_config: Any) -> bool:
+    """Whether the LM head reuses `wte`: transformers ties it unless told otherwise."""
+    return getattr(hf_config, "tie_word_embeddings", True)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match its config."""
+
+
+def is_projection_weight(name: str) -> bool:
+    """Whether `name` (`h.3.mlp.c_fc.weight`) is a block projection's weight matrix."""
+    match = _BLOCK_PARAMETER.fullmatch(name)
+    return match is not None and match.group(2) == "weight" and match.group(1) in PROJECTIONS
+
+
+def hub_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """How a hub checkpoint stores parameter `name` of `shape` (`Conv1D`: transposed)."""
+    return shape[::-1] if is_projection_weight(name) else shape
+
+
+def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter `gpt2.GPT2` needs, in MAX's `[out, in]` layout, in module order."""
+    hidden, vocab = hf_config.n_embd, hf_config.vocab_size
+    inner = feed_forward_size(hf_config)
+    shapes: dict[str, tuple[int, ...]] = {
+        "wte.weight": (vocab, hidden),
+        "wpe.weight": (hf_config.n_positions, hidden),
+        "ln_f.weight": (hidden,),
+        "ln_f.bias": (hidden,),
+    }
+    for i in range(hf_config.n_layer):
+        for name, shape in {
+            "ln_1.weight": (hidden,),
+            "ln_1.bias": (hidden,),
+            "attn.c_attn.weight": (3 * hidden, hidden),
+            "attn.c_attn.bias": (3 * hidden,),
+            "attn.c_proj.weight": (hidden, hidden),
+            "attn.c_proj.bias": (hidden,),
+            "ln_2.weight": (hidden,),
+            "ln_2.bias": (hidden,),
+            "mlp.c_fc.weight": (inner, hidden),
+            "mlp.c_fc.bias": (inner,),
+            "mlp.c_proj.weight": (hidden, inner),
+            "mlp.c_proj.bias": (hidden,),
+        }.items():
+            shapes[f"h.{i}.{name}"] = shape
+    if not ties_word_embeddings(hf_config):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
