@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.generate import Completion, Generator
+from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4)
 SCHEMA = {

@@ -18,14 +18,13 @@ import re
 import tempfile
 from pathlib import Path
 
+from bench_serve import CHECKPOINTS
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.testing.load import LoadRequest, expected_tokens, run_load
 from gpt2_max.testing.reference import random_prompt
 from gpt2_max.testing.server import PeakRss, max_serve
-
-from bench_serve import CHECKPOINTS
+from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 
 CONCURRENCY = 32
 PROMPT, NEW = 900, 100

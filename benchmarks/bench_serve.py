@@ -61,13 +61,12 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+import llama_cpp_peer
 import numpy as np
 import torch
-import llama_cpp_peer
 from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.tools.checkpoint import convert_to_gguf, gguf_file_name, preset_config, write_checkpoint
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import (
     hf_greedy,
@@ -76,6 +75,12 @@ from gpt2_max.testing.reference import (
     sampleable,
 )
 from gpt2_max.testing.server import MODEL_NAME, PeakRss, Server, max_serve
+from gpt2_max.tools.checkpoint import (
+    convert_to_gguf,
+    gguf_file_name,
+    preset_config,
+    write_checkpoint,
+)
 from gpt2_max.tools.gguf_config import write_companion_files
 from gpt2_max.tools.gguf_writer import FILE_TYPES
 

@@ -25,4 +25,4 @@ def __getattr__(name: str) -> Any:
         from .arch import gpt2_arch
 
         return {"ARCHITECTURES": [gpt2_arch], "gpt2_arch": gpt2_arch}[name]
-    raise AttributeError(f"module 'gpt2_max' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

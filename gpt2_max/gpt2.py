@@ -97,7 +97,8 @@ class GPT2MLP(Module[[Tensor], Tensor]):
         self.activation = config.activation
         prefix = f"h.{layer_idx}.mlp"
         self.c_fc = layers.linear(f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
-        self.c_proj = layers.linear(f"{prefix}.c_proj", config.feed_forward_size, config.hidden_size)
+        inner, hidden = config.feed_forward_size, config.hidden_size
+        self.c_proj = layers.linear(f"{prefix}.c_proj", inner, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(activation(self.activation, self.c_fc(x)))

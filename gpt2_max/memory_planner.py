@@ -3,8 +3,8 @@
 MAX 26.7 sizes the cache for `--max-batch-size` sequences of full length, as
 far as `--device-memory-utilization` of the free memory allows. On a GPU that
 fraction bounds it; on the CPU the free memory is the host's, so a large batch
-size reserves gigabytes whatever the real demand (32 x 1024 tokens of
-gpt2-small is 2.3 GiB). Other servers let the user size the cache directly
+size reserves gigabytes whatever the real demand (README has the figures).
+Other servers let the user size the cache directly
 (llama.cpp's `-c`, shared by its `--parallel` slots).
 
 `--max-batch-total-tokens` already caps the context the scheduler keeps
@@ -27,7 +27,7 @@ from typing import Any
 from max.driver import load_devices
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 
-from .shims.internals import free_memory
+from .shims.internals import free_memory, planner_config
 
 
 def kv_cache_budget_bytes(kv_params: Any, total_tokens: int) -> int:
@@ -46,7 +46,9 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
         total_tokens = pipeline_config.runtime.max_batch_total_tokens
         if total_tokens is None:
             return reserved
-        budget = kv_cache_budget_bytes(self._config.get_kv_params(), total_tokens)
+        config = planner_config(self)
+        kv_params = config.get_kv_params()
+        budget = kv_cache_budget_bytes(kv_params, total_tokens)
         model = pipeline_config.model
         usable = int(
             free_memory(load_devices(model.device_specs))
@@ -54,8 +56,8 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
         )
         static = (
             self.estimate_weights_size(pipeline_config)
-            + self.estimate_signal_buffer_memory(pipeline_config, self._config)
+            + self.estimate_signal_buffer_memory(pipeline_config, config)
             + reserved
         )
-        slack = self._config.get_kv_params().bytes_per_block - 1
+        slack = kv_params.bytes_per_block - 1
         return reserved + max(0, usable - static - budget - slack)

@@ -23,8 +23,8 @@ from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
-from .model_config import GPT2ArchConfig
 from .layers import layers_for
+from .model_config import GPT2ArchConfig
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 

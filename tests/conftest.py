@@ -16,7 +16,6 @@ import pytest
 from max.pipelines import AutoModel
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.tools.checkpoint import save_hub_checkpoint
 from gpt2_max.generate import Generator
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from gpt2_max.testing.reference import (
@@ -26,6 +25,7 @@ from gpt2_max.testing.reference import (
     random_state_dict,
     save_transformers_layout,
 )
+from gpt2_max.tools.checkpoint import save_hub_checkpoint
 
 PADDED_VOCAB_SIZE = GPT2_VOCAB_SIZE + 47
 """An embedding table padded past the tokenizer, as fine-tunes often do."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 from max.pipelines.modeling.types import TextGenerationRequestMessage
 from transformers import AutoTokenizer
 
-from gpt2_max.tokenizer import TOKENIZER_DIR
-from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, GPT2TextTokenizer
+from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, TOKENIZER_DIR, GPT2TextTokenizer
 
 
 def test_plain_template_renders_roles_and_a_generation_prompt():

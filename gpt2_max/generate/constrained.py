@@ -127,7 +127,12 @@ class GrammarMask:
         if not tokens:
             return []
         if not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"the grammar rejected its own forced tokens {tokens}")
+            # llguidance validates a grammar's syntax, not that it ends: one whose
+            # rules only recurse (`x: "a" x`) forces text it can never complete.
+            raise ValueError(
+                f"the grammar has no finite sentence: it forces the tokens {tokens} "
+                "and then rejects them (does every rule have a way to end?)"
+            )
         kv_length = context.tokens.processed_length
         for token in tokens:
             context.update(token)

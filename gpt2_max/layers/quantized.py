@@ -92,7 +92,8 @@ def _matmul(encoding: QuantizationEncoding) -> custom.CustomOp:
 
 def _repack_graph(encoding: QuantizationEncoding) -> Graph:
     packed = TensorType(DType.uint8, ["rows", "row_bytes"], DeviceRef.CPU())
-    with Graph(f"gpt2_max_repack_{encoding.name}", input_types=[packed]) as graph:
+    name = f"{__name__.partition('.')[0]}_repack_{encoding.name}"
+    with Graph(name, input_types=[packed]) as graph:
         op = quantized_repack_op(encoding)
         graph.output(ops.custom(op, DeviceRef.CPU(), [graph.inputs[0]], [packed])[0])
     return graph
@@ -103,8 +104,8 @@ def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
     its rows padded to `padded_rows` (unchanged when nothing is packed).
 
     One small graph per encoding, compiled in a session of its own, repacks
-    them all; each result is copied into memory the model keeps (huge pages,
-    as the adapters do), since MAX reads CPU weights in place.
+    them all; each result is copied into memory the model keeps, in huge
+    pages as the adapters' copies are (`weights/mapping.py`).
     """
     packed = {n: w for n, w in state_dict.items() if w.quantization_encoding is not None}
     if not packed:

@@ -28,6 +28,11 @@ def free_memory(devices: list[Device]) -> int:
     return MemoryEstimator._free_memory(devices)
 
 
+def planner_config(planner: Any) -> Any:
+    """The arch config a `PagedMemoryPlanner` plans for (it keeps it privately)."""
+    return planner._config
+
+
 def quantization_encoding(model_config: MAXModelConfig, default: str) -> str:
     """The encoding MAX resolves for `model_config` (from flags, file names, the default)."""
     return _select_quantization_encoding(model_config, default)

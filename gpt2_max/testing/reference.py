@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
 from gpt2_max.tools.checkpoint import (
     TOKENIZER_DIR,
     copy_tokenizer,
@@ -25,10 +26,9 @@ from gpt2_max.tools.checkpoint import (
     random_hub_state_dict,
     save_hub_checkpoint,
 )
-from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
+from gpt2_max.tools.gguf_writer import write_gguf
 from gpt2_max.weights.gguf_names import hub_name
 from gpt2_max.weights.schema import is_projection_weight
-from gpt2_max.tools.gguf_writer import write_gguf
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
 """A GPT-2 small enough to compile and run quickly, with the real vocabulary."""

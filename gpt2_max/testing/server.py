@@ -47,7 +47,7 @@ def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
     """The `max serve` command line that loads `model` through the gpt2_max plugin."""
     return [
         str(Path(sys.executable).with_name("max")), "serve",
-        "--custom-architectures", "gpt2_max",
+        "--custom-architectures", __name__.partition(".")[0],
         "--model", str(model),
         "--devices", devices,
         *args,

@@ -21,6 +21,7 @@ from transformers import GPT2Config
 from ..tokenizer import copy_tokenizer
 from ..weights.gguf import check_architecture, metadata
 
+BOS, EOS = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
 GPT2_DEFAULTS = GPT2Config()
 """What a GGUF without tokenizer metadata gets: GPT-2's own vocabulary and special ids."""
 
@@ -34,6 +35,7 @@ def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Conf
     """
     n_embd = int(meta["gpt2.embedding_length"])
     tokens = meta.get("tokenizer.ggml.tokens")
+    inner = meta.get("gpt2.feed_forward_length")
     # Stored as float32: its shortest decimal is what was written (1e-05).
     epsilon = np.float32(meta.get("gpt2.attention.layer_norm_epsilon", 1e-5))
     return GPT2Config(
@@ -41,12 +43,12 @@ def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Conf
         n_layer=int(meta["gpt2.block_count"]),
         n_embd=n_embd,
         n_head=int(meta["gpt2.attention.head_count"]),
-        n_inner=int(meta["gpt2.feed_forward_length"]) if "gpt2.feed_forward_length" in meta else None,
+        n_inner=None if inner is None else int(inner),  # None: transformers' 4 * n_embd
         n_positions=int(meta["gpt2.context_length"]),
         layer_norm_epsilon=float(str(epsilon)),
         vocab_size=len(tokens) if tokens else GPT2_DEFAULTS.vocab_size,
-        bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", GPT2_DEFAULTS.bos_token_id)),
-        eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", GPT2_DEFAULTS.eos_token_id)),
+        bos_token_id=int(meta.get(BOS, GPT2_DEFAULTS.bos_token_id)),
+        eos_token_id=int(meta.get(EOS, GPT2_DEFAULTS.eos_token_id)),
         tie_word_embeddings="output.weight" not in tensor_names,
     )
 
@@ -59,8 +61,8 @@ def write_tokenizer(meta: dict[str, Any], folder: Path) -> None:
         return
     (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
     (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    eos = tokens[int(meta.get("tokenizer.ggml.eos_token_id", len(tokens) - 1))]
-    bos = tokens[int(meta.get("tokenizer.ggml.bos_token_id", len(tokens) - 1))]
+    eos = tokens[int(meta.get(EOS, len(tokens) - 1))]
+    bos = tokens[int(meta.get(BOS, len(tokens) - 1))]
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
             {

@@ -32,7 +32,6 @@ derives both from the file's metadata. The adapter checks that metadata against 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -40,12 +39,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
-from max.graph.weights import GGUFWeights, WeightData, Weights
+from max.graph.weights import WeightData, Weights
 
 from ..shims.internals import gguf_reader
 from .gguf_names import hub_name
-from .plan import PACKED_ENCODINGS
 from .hugepages import hugepage_array
+from .plan import PACKED_ENCODINGS
 from .schema import CheckpointError, expected_shapes, feed_forward_size, is_projection_weight
 
 logger = logging.getLogger("max.pipelines")

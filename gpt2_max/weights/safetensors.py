@@ -25,17 +25,19 @@ from max.dtype import DType
 from max.graph.weights import WeightData, Weights
 
 from .hugepages import hugepage_array
-from .schema import CAUSAL_MASK_BUFFERS, CheckpointError, expected_shapes, hub_shape, is_projection_weight
+from .schema import (
+    CAUSAL_MASK_BUFFERS,
+    CheckpointError,
+    expected_shapes,
+    hub_shape,
+    is_projection_weight,
+)
+
 
 def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
-    """The tensor as float32 in an array of its own, maybe transposed.
+    """The tensor as float32 in an array of its own (see `mapping.py`), maybe transposed.
 
-    Float32 because MAX's CPU path has no half precision. An array of its own
-    because MAX reads a CPU weight in place for as long as the model lives: a
-    tensor handed over as a view of the memory-mapped checkpoint would keep
-    the whole file mapped and resident beside the transposed copies. With
-    every tensor copied, `GPT2PipelineModel.load_model` can close the file.
-    The copy goes to huge pages (`hugepages.py`), which the decode step streams faster.
+    Float32 because MAX's CPU path has no half precision.
     """
     if not weight.dtype.is_float():
         raise CheckpointError(

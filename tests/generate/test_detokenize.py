@@ -2,8 +2,8 @@
 
 from transformers import AutoTokenizer
 
-from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.generate.detokenize import REPLACEMENT, IncrementalText
+from gpt2_max.tokenizer import TOKENIZER_DIR
 
 
 def test_pieces_are_whole_characters_and_join_to_the_text():

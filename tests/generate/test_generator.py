@@ -135,6 +135,7 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
                                                  "maximum": 3}), ValueError),
         (lambda g: g.generate("hi", regex="(unclosed"), ValueError),
         (lambda g: g.generate("hi", grammar="start: undefined_rule"), ValueError),
+        (lambda g: g.generate("hi", grammar='start: x\nx: "a" x'), ValueError),
         (lambda g: g.generate("hi", regex="a", grammar='start: "a"'), ValueError),
         (lambda g: g.generate("hi", max_new_tokens=0), ValueError),
         (lambda g: g.branches("hi", 3, best_of=2), ValueError),

@@ -29,6 +29,17 @@ def test_free_memory_reads_the_hosts_memory_on_the_cpu() -> None:
     assert internals.free_memory([CPU()]) > 2**28
 
 
+def test_the_memory_planner_keeps_its_arch_config() -> None:
+    from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
+
+    sources = [inspect.getsource(cls.__init__) for cls in PagedMemoryPlanner.__mro__[:2]]
+    assert any("self._config = config" in source for source in sources)
+
+    planner = PagedMemoryPlanner.__new__(PagedMemoryPlanner)
+    planner._config = config = object()
+    assert internals.planner_config(planner) is config
+
+
 def test_the_encoding_resolver_takes_the_config_and_the_default() -> None:
     parameters = inspect.signature(internals._select_quantization_encoding).parameters
     assert list(parameters) == ["config", "default_encoding"]

@@ -6,8 +6,8 @@ import random
 from max.pipelines.context import GenerationStatus
 from max.serve.pipelines.llm import TokenGeneratorOutput
 
-from gpt2_max.stop import StopScanner
 from gpt2_max.shims.stop_strings import cut_at_stops, needed
+from gpt2_max.stop import StopScanner
 from gpt2_max.testing.reference import stopped_text
 
 

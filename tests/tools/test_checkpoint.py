@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
+from gpt2_max.testing.reference import TINY
 from gpt2_max.tools.checkpoint import (
     PRESETS,
     main,
@@ -13,8 +15,6 @@ from gpt2_max.tools.checkpoint import (
     random_hub_state_dict,
     write_checkpoint,
 )
-from gpt2_max.model_config import GPT2_VOCAB_SIZE
-from gpt2_max.testing.reference import TINY
 
 
 def test_written_checkpoint_loads_in_transformers_with_every_weight(tmp_path):

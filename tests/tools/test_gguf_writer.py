@@ -23,8 +23,8 @@ from gpt2_max.tools.checkpoint import (
     write_checkpoint,
 )
 from gpt2_max.tools.gguf_quants import quantize
-from gpt2_max.weights.gguf_names import gguf_name
 from gpt2_max.tools.gguf_writer import write_gguf
+from gpt2_max.weights.gguf_names import gguf_name
 
 # K formats need rows of a multiple of 256 values.
 MASK = re.compile(r"h\.\d+\.attn\.bias")

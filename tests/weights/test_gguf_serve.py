@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from gpt2_max.tokenizer import TOKENIZER_DIR
-from gpt2_max.tools.checkpoint import random_hub_state_dict
-from gpt2_max.tools.gguf_writer import gguf_tensors, write_tensors
 from gpt2_max.testing.load import LoadRequest, run_load
 from gpt2_max.testing.reference import hf_on_gguf_weights, random_prompt, save_gguf
 from gpt2_max.testing.server import assert_start_fails, max_serve
+from gpt2_max.tokenizer import TOKENIZER_DIR
+from gpt2_max.tools.checkpoint import random_hub_state_dict
+from gpt2_max.tools.gguf_writer import gguf_tensors, write_tensors
 
 MAX_TOKENS = 24
 
