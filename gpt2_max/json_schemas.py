@@ -231,7 +231,9 @@ def infinite_cycle(schema: Any) -> str | None:
     return None
 
 
-def _find_cycle(ref: str, edges: dict[str, Blocked], path: list[tuple[str, str]], seen: set[str]) -> str | None:
+def _find_cycle(
+    ref: str, edges: dict[str, Blocked], path: list[tuple[str, str]], seen: set[str]
+) -> str | None:
     """DFS along blocking refs; the first ref met twice closes the cycle."""
     if ref in seen:
         start = next(i for i, (at, _) in enumerate(path) if at == ref)

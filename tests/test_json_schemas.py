@@ -76,7 +76,9 @@ def test_bounds_are_added_tightened_and_data_left_alone() -> None:
     assert bounded["properties"]["x"] == {
         "type": "number", "minimum": -limit, "maximum": limit, "multipleOf": 10.0**-FRACTION_DIGITS,
     }
-    assert bounded["properties"]["y"] == {"type": ["integer", "null"], "minimum": 3, "maximum": limit}
+    assert bounded["properties"]["y"] == {
+        "type": ["integer", "null"], "minimum": 3, "maximum": limit,
+    }
     assert "minimum" not in bounded["properties"]["z"]
     assert bounded["properties"]["type"] == schema["properties"]["type"]
     assert bounded["$defs"]["n"]["multipleOf"] == 0.5
