@@ -7,6 +7,13 @@ answered with a 400 (`InputError`) instead. So is a request for echoed
 log-probabilities from a server started without `--enable-echo`: the graph then
 returns only last-position logits and the step would fail.
 
+A `response_format` JSON schema (served with `--enable-structured-output`,
+which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
+`gpt2_max.json_schemas.prepare` here, in the API process: a schema with no
+finite value is answered 400 naming its cycle before it is queued, and the
+schema MAX's grammar engine compiles has its numbers bounded by the rule the
+in-process generator follows too.
+
 GPT-2 was never trained on chats and ships no chat template; MAX answers a chat
 request to such a model with 400. `PLAIN_CHAT_TEMPLATE` renders a conversation
 as plain `Role: content` lines ending in `Assistant:`, which a base model can
@@ -21,6 +28,7 @@ registered.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,6 +44,7 @@ from max.pipelines.modeling.types import (
 )
 from transformers import PreTrainedTokenizerBase
 
+from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
@@ -75,7 +84,7 @@ class GPT2TextTokenizer(TextTokenizer):
                 "echo with logprobs needs the logits of every prompt token; "
                 "start the server with --enable-echo to serve it."
             )
-        context = await super().new_context(request)
+        context = await super().new_context(self._with_prepared_schema(request))
         prompt = np.asarray(context.tokens.prompt)
         (invalid,) = np.nonzero((prompt < 0) | (prompt >= self.valid_token_ids))
         if invalid.size:
@@ -85,6 +94,20 @@ class GPT2TextTokenizer(TextTokenizer):
                 f"[0, {self.valid_token_ids})."
             )
         return context
+
+    @staticmethod
+    def _with_prepared_schema(request: TextGenerationRequest) -> TextGenerationRequest:
+        """`request` with its response-format schema through `json_schemas.prepare`."""
+        response_format = request.response_format
+        if response_format is None or response_format.json_schema is None:
+            return request
+        try:
+            schema = prepare(response_format.json_schema, multiple_of=False)
+        except SchemaError as error:
+            raise InputError(str(error)) from None
+        return dataclasses.replace(
+            request, response_format=dataclasses.replace(response_format, json_schema=schema)
+        )
 
     def apply_chat_template(
         self,

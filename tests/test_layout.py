@@ -18,7 +18,7 @@ import gpt2_max
 PACKAGE = Path(gpt2_max.__file__).parent
 
 FLOORS: list[set[str]] = [
-    {"stop", "weight_files", "inputs", "kernels"},
+    {"stop", "weight_files", "inputs", "kernels", "json_schemas"},
     {"shims"},
     {"weights"},
     {"model_config"},

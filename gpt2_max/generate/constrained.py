@@ -12,7 +12,9 @@ boundary, so the forced tokens are the ones the tokenizer itself would pick.
 
 JSON is compiled compact (no optional whitespace), as MAX's own structured
 output does by default; it also keeps a sampling model from padding an object
-with endless blanks.
+with endless blanks. Schemas go through `gpt2_max.json_schemas.prepare` first,
+as they do under `max serve`: one rule for unbounded numbers and for schemas
+with no finite value in both front doors.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from llguidance import LLMatcher, LLTokenizer
 from max.pipelines.context import ProcessorInputs, TextContext
 from transformers import PreTrainedTokenizerFast
 
+from ..json_schemas import prepare
 from ..shims.internals import run_again
 
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -41,6 +44,7 @@ def _json_schema(schema: str | dict[str, Any]) -> str:
             raise ValueError(f"not valid JSON: {error}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}.")
+    schema = prepare(schema, multiple_of=True)
     return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
 
 

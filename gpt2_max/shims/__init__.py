@@ -12,6 +12,8 @@ and why, so nothing else in the package imports a private MAX name:
   processing window).
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
+- `structured_output`: `--enable-structured-output` on the CPU for this
+  package's pipelines, which MAX 26.7 refuses for every model on the CPU.
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from . import stop_strings
+from . import stop_strings, structured_output
 
 WRITTEN_FOR = ("26.7.",)
 """MAX releases (version prefixes) whose internals this package was checked against."""
@@ -44,3 +46,4 @@ def install(tokenizer_type: type) -> None:
     in one process: each adds its own tokenizer type.
     """
     stop_strings.install(tokenizer_type)
+    structured_output.install(tokenizer_type)

@@ -8,7 +8,10 @@ Installing gpt2-max registers this module through the `pytest11` entry point
 - `gpt2_max_reference`: a `Reference` (transformers reading that folder) that
   gives the greedy tokens and log-probabilities a correct server returns;
 - `gpt2_max_server`: a `ServedGPT2`, one `max serve` of that checkpoint on a
-  free loopback port for the whole session, with an openai client.
+  free loopback port for the whole session, with an openai client;
+- `gpt2_max_structured_server`: the same, started (once, when first asked
+  for) with `--enable-structured-output`, so `response_format` is served on
+  the CPU.
 
 Heavy imports (MAX, torch) wait until a fixture is used, so the plugin costs
 nothing to test suites that do not use it.
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
 
 SERVE_ARGS = ("--max-batch-size", "8")
 """Flags of the session server besides model, host and port."""
+
+STRUCTURED_OUTPUT_ARGS = (*SERVE_ARGS, "--enable-structured-output")
+"""Flags of the structured-output session server."""
 
 
 @dataclass
@@ -68,6 +74,26 @@ def gpt2_max_reference(gpt2_max_checkpoint: Path) -> Reference:
     return Reference(load_reference(gpt2_max_checkpoint))
 
 
+def _served(
+    checkpoint: Path, reference: Reference, log: Path, args: tuple[str, ...]
+) -> Iterator[ServedGPT2]:
+    from openai import OpenAI
+
+    from gpt2_max.testing.server import max_serve
+
+    with max_serve(checkpoint, *args, log=log) as server:
+        with OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            yield ServedGPT2(
+                url=server.url,
+                model=server.model,
+                pid=server.pid,
+                client=client,
+                reference=reference,
+                checkpoint=checkpoint,
+                log=log,
+            )
+
+
 @pytest.fixture(scope="session")
 def gpt2_max_server(
     gpt2_max_checkpoint: Path,
@@ -75,19 +101,16 @@ def gpt2_max_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServedGPT2]:
     """`max serve` of `gpt2_max_checkpoint`, started once and stopped (whole group) at the end."""
-    from openai import OpenAI
-
-    from gpt2_max.testing.server import max_serve
-
     log = tmp_path_factory.mktemp("gpt2-max-serve") / "server.log"
-    with max_serve(gpt2_max_checkpoint, *SERVE_ARGS, log=log) as server:
-        with OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
-            yield ServedGPT2(
-                url=server.url,
-                model=server.model,
-                pid=server.pid,
-                client=client,
-                reference=gpt2_max_reference,
-                checkpoint=gpt2_max_checkpoint,
-                log=log,
-            )
+    yield from _served(gpt2_max_checkpoint, gpt2_max_reference, log, SERVE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def gpt2_max_structured_server(
+    gpt2_max_checkpoint: Path,
+    gpt2_max_reference: Reference,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServedGPT2]:
+    """`gpt2_max_server` with `--enable-structured-output`: `response_format` on the CPU."""
+    log = tmp_path_factory.mktemp("gpt2-max-serve-structured") / "server.log"
+    yield from _served(gpt2_max_checkpoint, gpt2_max_reference, log, STRUCTURED_OUTPUT_ARGS)

@@ -1,0 +1,255 @@
+"""The JSON-schema rules both front doors apply before a grammar is compiled.
+
+`gpt2_max.Generator` compiles schemas with llguidance, `max serve` with MAX's
+xgrammar. Neither engine refuses a schema that has no finite value, and
+neither bounds a plain `number`, so a sampling model can write digits until
+`max_tokens` and return truncated JSON. `prepare` closes both gaps, the same
+way for both engines:
+
+- No finite value: a schema whose required properties (or minimum array
+  items) lead back through `$ref` to where they started, with no branch out,
+  describes only infinite documents. It is refused with the cycle named,
+  before any step runs.
+- Bounded numbers (`NUMBER_RULE`): every `number` and `integer` is written
+  without an exponent, with at most `INTEGER_DIGITS` digits before the point,
+  and a `number` with at most `FRACTION_DIGITS` after it. The schema's
+  `minimum`/`maximum` are tightened to +-(10**INTEGER_DIGITS - 1) (a value
+  already inside stays); xgrammar writes any bounded number with at most six
+  fraction digits and no exponent, and llguidance is given the same limit as
+  `multipleOf` 10**-FRACTION_DIGITS (xgrammar refuses `multipleOf`, so the
+  server's schema does not carry it). `json_object` and `{}` are not touched:
+  they name no number.
+
+So a schema's longest number is `NUMBER_CHARS` characters, one token or more
+each, and a constrained answer closes within a bound that the schema alone
+fixes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+INTEGER_DIGITS = 15
+FRACTION_DIGITS = 6
+"""xgrammar's own fraction limit for a bounded number (`tests/test_json_schemas.py` checks it)."""
+NUMBER_LIMIT = 10**INTEGER_DIGITS - 1
+NUMBER_CHARS = 1 + INTEGER_DIGITS + 1 + FRACTION_DIGITS
+"""The longest number the rule allows: sign, integer digits, point, fraction digits."""
+NUMBER_RULE = (
+    f"numbers have no exponent, at most {INTEGER_DIGITS} integer digits and "
+    f"{FRACTION_DIGITS} fraction digits"
+)
+
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "description"})
+"""Keywords whose values are data, not subschemas, and are never rewritten."""
+
+_VALUE_TYPES = frozenset({"string", "number", "integer", "boolean", "null"})
+
+
+class SchemaError(ValueError):
+    """A schema that has no finite value."""
+
+
+def prepare(schema: Any, *, multiple_of: bool) -> Any:
+    """`schema` checked for a finite value and with its numbers bounded (`NUMBER_RULE`).
+
+    `multiple_of` adds the fraction limit as `multipleOf` (llguidance); without
+    it the engine's own limit for bounded numbers applies (xgrammar).
+    Raises `SchemaError` naming the cycle of a schema with no finite value.
+    """
+    if cycle := infinite_cycle(schema):
+        raise SchemaError(
+            f"json_schema has no finite value: {cycle} is required all the way round; "
+            "make one property or item on that cycle optional."
+        )
+    return bound_numbers(schema, multiple_of=multiple_of)
+
+
+def bound_numbers(schema: Any, *, multiple_of: bool) -> Any:
+    """A copy of `schema` whose numbers follow `NUMBER_RULE` (see `prepare`)."""
+    schema = copy.deepcopy(schema)
+    _bound(schema, multiple_of)
+    return schema
+
+
+def _types(node: dict[str, Any]) -> set[str]:
+    kind = node.get("type")
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def _bound(node: Any, multiple_of: bool) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _bound(item, multiple_of)
+        return
+    if not isinstance(node, dict):
+        return
+    types = _types(node)
+    if types & {"number", "integer"}:
+        if "exclusiveMinimum" not in node:
+            node["minimum"] = max(node.get("minimum", -NUMBER_LIMIT), -NUMBER_LIMIT)
+        if "exclusiveMaximum" not in node:
+            node["maximum"] = min(node.get("maximum", NUMBER_LIMIT), NUMBER_LIMIT)
+        if multiple_of and "number" in types and "multipleOf" not in node:
+            node["multipleOf"] = 10.0**-FRACTION_DIGITS
+    for key, value in node.items():
+        if key in _NOT_SCHEMAS:
+            continue
+        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            if isinstance(value, dict):
+                for sub in value.values():
+                    _bound(sub, multiple_of)
+        else:
+            _bound(value, multiple_of)
+
+
+def _resolve(schema: Any, ref: str) -> Any:
+    """The subschema a local `$ref` (`#/...`) points at, or None."""
+    node = schema
+    for part in ref.removeprefix("#").split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _local_refs(node: Any, found: set[str]) -> set[str]:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            found.add(ref)
+        for key, value in node.items():
+            if key not in _NOT_SCHEMAS:
+                _local_refs(value, found)
+    elif isinstance(node, list):
+        for item in node:
+            _local_refs(item, found)
+    return found
+
+
+Blocked = list[tuple[str, str]]
+"""(how it is reached, `$ref`) pairs that keep a schema from a finite value."""
+
+
+def _blocked(node: Any, finite: dict[str, bool], via: str) -> Blocked | None:
+    """None if `node` has a finite value given which `$ref`s are `finite`, else what blocks it.
+
+    Structural only: whether a value of each required part exists, not whether
+    string lengths or ranges can be met (the engines' compile checks those).
+    """
+    if not isinstance(node, dict):
+        return [] if node is False else None
+    if "const" in node or "enum" in node:
+        return None
+    blocked: Blocked = []
+    failed = False
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not finite.get(ref, True):
+        blocked.append((via, ref))
+        failed = True
+    for sub in node.get("allOf", []):
+        if (inner := _blocked(sub, finite, via)) is not None:
+            blocked += inner
+            failed = True
+    for key in ("anyOf", "oneOf"):
+        if key in node:
+            branches = [_blocked(sub, finite, via) for sub in node[key]]
+            if all(branch is not None for branch in branches):
+                blocked += [pair for branch in branches for pair in branch]  # type: ignore[union-attr]
+                failed = True
+    if (inner := _blocked_by_type(node, finite, via)) is not None:
+        blocked += inner
+        failed = True
+    return blocked if failed else None
+
+
+def _blocked_by_type(node: dict[str, Any], finite: dict[str, bool], via: str) -> Blocked | None:
+    types = _types(node)
+    if not types:
+        if {"properties", "required", "additionalProperties"} & node.keys():
+            types = {"object"}
+        elif {"items", "prefixItems", "minItems"} & node.keys():
+            types = {"array"}
+        else:
+            return None
+    if types & _VALUE_TYPES:
+        return None
+    blocked: Blocked = []
+    if "object" in types:
+        properties = node.get("properties", {})
+        extra = node.get("additionalProperties", True)
+        inner_blocked: Blocked = []
+        for name in node.get("required", []):
+            sub = properties.get(name, extra if isinstance(extra, dict) else True)
+            if (inner := _blocked(sub, finite, f"property {name!r}")) is not None:
+                inner_blocked += inner or [(f"property {name!r}", "")]
+        if not inner_blocked:
+            return None
+        blocked += inner_blocked
+    if "array" in types:
+        prefix = node.get("prefixItems", [])
+        items = node.get("items", True)
+        inner_blocked = []
+        for index in range(int(node.get("minItems", 0))):
+            sub = prefix[index] if index < len(prefix) else items
+            if (inner := _blocked(sub, finite, f"item {index}")) is not None:
+                inner_blocked += inner
+        if not inner_blocked:
+            return None
+        blocked += inner_blocked
+    return blocked
+
+
+def infinite_cycle(schema: Any) -> str | None:
+    """The `$ref` cycle that leaves `schema` no finite value, written out; else None.
+
+    Which local `$ref`s have a finite value is the least fixed point of
+    `_blocked` over them; a schema blocked only by refs that lead back to
+    themselves is named by one such cycle.
+    """
+    refs = {ref: _resolve(schema, ref) for ref in _local_refs(schema, set())}
+    finite = {ref: target is None for ref, target in refs.items()}
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in refs.items():
+            if not finite[ref] and _blocked(target, finite, "") is None:
+                finite[ref] = changed = True
+    blocked = _blocked(schema, finite, "")
+    if not blocked:
+        return None
+    edges = {ref: _blocked(refs[ref], finite, "") or [] for ref in refs if not finite[ref]}
+    for _, start in blocked:
+        path: list[tuple[str, str]] = []
+        if cycle := _find_cycle(start, edges, path, set()):
+            return cycle
+    return None
+
+
+def _find_cycle(
+    ref: str, edges: dict[str, Blocked], path: list[tuple[str, str]], seen: set[str]
+) -> str | None:
+    """DFS along blocking refs; the first ref met twice closes the cycle."""
+    if ref in seen:
+        start = next(i for i, (at, _) in enumerate(path) if at == ref)
+        return _cycle_text(path[start:], ref)
+    seen.add(ref)
+    for via, nxt in edges.get(ref, []):
+        if not nxt:
+            continue
+        path.append((ref, via))
+        if cycle := _find_cycle(nxt, edges, path, seen):
+            return cycle
+        path.pop()
+    seen.discard(ref)
+    return None
+
+
+def _cycle_text(steps: list[tuple[str, str]], closing: str) -> str:
+    """`#/$defs/a` -> property 'b' -> `#/$defs/c` ... back to the first."""
+    return " -> ".join(f"{ref} (via {via})" for ref, via in steps) + f" -> {closing}"

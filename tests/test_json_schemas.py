@@ -1,0 +1,135 @@
+"""`gpt2_max.json_schemas`: schemas with no finite value are named, numbers are bounded alike
+in llguidance (the generator's engine) and xgrammar (MAX's, as `max serve` builds it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from llguidance import LLMatcher
+from max.pipelines.lib.pipeline_variants.structured_output_backend import make_grammar_backend
+from transformers import AutoTokenizer
+
+from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
+from gpt2_max.json_schemas import (
+    FRACTION_DIGITS,
+    INTEGER_DIGITS,
+    SchemaError,
+    bound_numbers,
+    infinite_cycle,
+    prepare,
+)
+from gpt2_max.tokenizer import TOKENIZER_DIR
+
+NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+
+
+@pytest.mark.parametrize(
+    "schema, cycle",
+    [
+        ({"$defs": {"node": NODE}, "$ref": "#/$defs/node"},
+         "#/$defs/node (via property 'next') -> #/$defs/node"),
+        ({"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]},
+         "# (via property 'self') -> #"),
+        ({"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}},
+                          "required": ["b"]},
+                    "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}},
+          "type": "object", "properties": {"top": {"$ref": "#/$defs/a"}}, "required": ["top"]},
+         "#/$defs/a (via property 'b') -> #/$defs/b (via item 0) -> #/$defs/a"),
+    ],
+)
+def test_a_required_cycle_is_named(schema, cycle) -> None:
+    assert infinite_cycle(schema) == cycle
+    with pytest.raises(SchemaError, match="no finite value"):
+        prepare(schema, multiple_of=False)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": {"node": {**NODE, "required": []}}, "$ref": "#/$defs/node"},
+        {"$defs": {"node": {**NODE, "properties": {"next": {
+            "anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}}, "$ref": "#/$defs/node"},
+        {"$defs": {"node": {**NODE, "type": ["object", "string"]}}, "$ref": "#/$defs/node"},
+        {"$defs": {"tree": {"type": "array", "items": {"$ref": "#/$defs/tree"}}},
+         "$ref": "#/$defs/tree"},
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+    ],
+)
+def test_recursive_schemas_with_a_way_out_pass(schema) -> None:
+    assert infinite_cycle(schema) is None
+
+
+def test_bounds_are_added_tightened_and_data_left_alone() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "x": {"type": "number"},
+            "y": {"type": ["integer", "null"], "minimum": 3, "maximum": 1e20},
+            "z": {"type": "number", "exclusiveMinimum": 0},
+            "type": {"enum": [{"type": "number"}]},
+        },
+        "$defs": {"n": {"type": "number", "multipleOf": 0.5}},
+    }
+    limit = 10**INTEGER_DIGITS - 1
+    bounded = bound_numbers(schema, multiple_of=True)
+    assert bounded["properties"]["x"] == {
+        "type": "number", "minimum": -limit, "maximum": limit, "multipleOf": 10.0**-FRACTION_DIGITS,
+    }
+    assert bounded["properties"]["y"] == {
+        "type": ["integer", "null"], "minimum": 3, "maximum": limit,
+    }
+    assert "minimum" not in bounded["properties"]["z"]
+    assert bounded["properties"]["type"] == schema["properties"]["type"]
+    assert bounded["$defs"]["n"]["multipleOf"] == 0.5
+    assert "multipleOf" not in bound_numbers(schema, multiple_of=False)["properties"]["x"]
+    assert schema["properties"]["x"] == {"type": "number"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def accepts(tokenizer):
+    """For each engine, whether it accepts a text typed one character (one token) at a time."""
+    llg = llg_tokenizer(tokenizer, len(tokenizer))
+    xgrammar = make_grammar_backend("xgrammar", tokenizer, len(tokenizer))
+
+    def by_llguidance(schema, text):
+        matcher = LLMatcher(llg, compile_constraint(llg, "json_schema", schema), log_level=0)
+        ids = [tokenizer.convert_tokens_to_ids(ch) for ch in text]
+        return all(matcher.consume_token(i) for i in ids) and matcher.is_accepting()
+
+    def by_xgrammar(schema, text):
+        compiled = xgrammar.compile_json_schema(bound_numbers(schema, multiple_of=False))
+        matcher = xgrammar.create_matcher(compiled)
+        ids = [tokenizer.convert_tokens_to_ids(ch) for ch in text]
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    return {"llguidance": by_llguidance, "xgrammar": by_xgrammar}
+
+
+@pytest.mark.parametrize("schema", [{"type": "number"}, {"type": "number", "minimum": 0},
+                                    {"type": "integer"}])
+def test_both_engines_write_numbers_by_the_one_rule(tokenizer, schema) -> None:
+    integer = schema["type"] == "integer"
+    negative = "minimum" not in schema
+    # The longest number under the bound 10**INTEGER_DIGITS - 1.
+    most = "9" * (INTEGER_DIGITS - 1) + "8" + ("" if integer else "." + "9" * FRACTION_DIGITS)
+    cases = {
+        most: True,
+        "-" + most: negative,
+        "1" + most: False,
+        "1e5": False,
+        "0." + "5" * (FRACTION_DIGITS + 1): False,
+        "0." + "5" * FRACTION_DIGITS: not integer,
+    }
+    rng = random.Random(0)
+    for _ in range(30):
+        whole = str(rng.randrange(10 ** rng.randint(0, INTEGER_DIGITS)))
+        fraction = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 8)))
+        cases[f"{whole}.{fraction}"] = not integer and len(fraction) <= FRACTION_DIGITS
+    for engine, accept in accepts(tokenizer).items():
+        for text, want in cases.items():
+            assert accept(schema, text) == want, (engine, schema, text)

@@ -1,0 +1,117 @@
+"""`response_format` through `max serve --enable-structured-output` on the CPU (openai client).
+
+One server (the plugin's `gpt2_max_structured_server`) for the whole module.
+The model has random weights, so only the grammar makes its output parse:
+every answer (greedy, streamed, seeded) is parsed and validated with
+`jsonschema`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from gpt2_max.testing.schemas import UNBOUNDED_NUMBERS
+
+SHORT = {"type": "string", "maxLength": 8}
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                   "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
+SCHEMAS = {
+    "nested-optional": {
+        "type": "object",
+        "properties": {
+            "name": SHORT,
+            "address": {
+                "type": "object",
+                "properties": {"city": SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            },
+            "nickname": SHORT,
+        },
+        "required": ["name", "address"],
+        "additionalProperties": False,
+    },
+    "array-min-max": {"type": "array", "items": SHORT, "minItems": 2, "maxItems": 4},
+    "enum": {"enum": ["red", "grün", "blue", 3, None]},
+    "any-of": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, SHORT,
+                         {"type": "boolean"}]},
+    "defs-ref": {
+        "$defs": {"point": POINT},
+        "type": "object",
+        "properties": {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}},
+        "required": ["from", "to"],
+        "additionalProperties": False,
+    },
+    "patterns": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                       "day": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}},
+        "required": ["code", "day"],
+        "additionalProperties": False,
+    },
+    "prefix-items": {"type": "array", "prefixItems": [SHORT, {"type": "boolean"}],
+                     "minItems": 2, "maxItems": 2},
+    "const-nullable": {
+        "type": "object",
+        "properties": {"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 1,
+                                                        "maximum": 9},
+                       "label": {"type": ["string", "null"], "maxLength": 5}},
+        "required": ["kind", "r", "label"],
+        "additionalProperties": False,
+    },
+    "numbers": UNBOUNDED_NUMBERS,
+}
+MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
+MAX_TOKENS = 256
+SEEDS = range(3)
+TOKEN_IDS = {"return_token_ids": True}
+
+
+def response_format(name: str) -> dict:
+    strict = len(name) % 2 == 0  # half the schemas strict, half not
+    return {"type": "json_schema",
+            "json_schema": {"name": name.replace("-", "_"), "schema": SCHEMAS[name],
+                            "strict": strict}}
+
+
+@pytest.fixture(scope="module")
+def served(gpt2_max_structured_server):
+    return gpt2_max_structured_server
+
+
+def chat(served, name: str, **options):
+    return served.client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
+        response_format=response_format(name), extra_body=TOKEN_IDS, **options,
+    )
+
+
+@pytest.fixture(scope="module")
+def greedy(served):
+    """Each schema's greedy answer, asked once."""
+    return {name: chat(served, name, temperature=0.0) for name in SCHEMAS}
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_greedy_streamed_and_sampled_answers_validate(served, greedy, name) -> None:
+    schema = SCHEMAS[name]
+    answers = [greedy[name].choices[0]]
+    answers += [chat(served, name, temperature=1.0, seed=seed).choices[0] for seed in SEEDS]
+    for choice in answers:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    stream = served.client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
+        response_format=response_format(name), stream=True,
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == answers[0].message.content
+    assert chunks[-1].finish_reason == "stop"
