@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import llama_cpp_tools
-from bench_serve import CHECKPOINTS, THREADS, gguf_file
+from bench_serve import CHECKPOINTS, THREADS, cpu_model, gguf_file
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
@@ -53,14 +52,6 @@ from gpt2_max.quantized import _matmul, repack
 from gpt2_max.weights.gguf import _reader, convert_gguf_state_dict, huggingface_config, metadata
 
 PROMPT = list(range(2000, 2016))
-
-
-def cpu_model() -> str:
-    """`lscpu`'s model name, for every table."""
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 class Book:
