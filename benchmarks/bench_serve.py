@@ -3,6 +3,7 @@
     python benchmarks/bench_serve.py            # gpt2-small shape, 3 repetitions
     python benchmarks/bench_serve.py --preset distilgpt2 --repeat 1 --quick
     python benchmarks/bench_serve.py --peer llama.cpp --gguf-types q4_k,q6_k,f16
+    python benchmarks/bench_serve.py --llama-tools --gguf-types f16,q4_k_m
 
 Scenarios, each on a random-weight checkpoint of the chosen preset (float32):
 
@@ -41,6 +42,12 @@ slows its long prefills). Its CPU arithmetic is not float32-exact either (see
 `llama_cpp_peer`): the report includes its teacher-forced logits against HF's
 on a 512-token prompt.
 
+With `--llama-tools`, llama.cpp's own `llama-bench` (tg128, pp900) and
+`llama-batched-bench` (8 sequences of 16 + 128 tokens) run on the same files
+(F32 for the float rows; built once by `build_llama_cpp.sh`), and their rows
+stand beside the server's single-request, 8-concurrent and 900-token-prefill
+ones.
+
 Results are medians over `--repeat` runs, printed as a table and written as
 JSON to `benchmarks/results/`; the checkpoints (safetensors and GGUF) are kept
 in the user's cache folder and the server logs and cold-start compile cache go
@@ -56,12 +63,14 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import llama_cpp_peer
+import llama_cpp_tools
 import numpy as np
 import torch
 from openai import AsyncOpenAI
@@ -318,9 +327,51 @@ def print_table(tables: dict[str, dict]) -> None:
                   + (f"; llama.cpp: {tally(m, 'peer_')}" if "peer_checks" in m else ""))
 
 
+TOOL_ROWS = (
+    ("a_single_16", "tg128", "llama-bench tg128"),
+    ("c_concurrent_8x16", "batched_tg", "llama-batched-bench 8 seq, decode"),
+    ("d_prefill_900", "pp900", "llama-bench pp900"),
+)
+"""(server scenario, llama.cpp tool figure, its label), side by side."""
+
+
+def llama_tools(path: Path, flash_attn: bool) -> dict[str, float]:
+    """llama.cpp's own tools on one file, tokens per second."""
+    rows = llama_cpp_tools.llama_bench(path, THREADS, flash_attn=flash_attn)
+    batched = llama_cpp_tools.batched_bench(path, THREADS, sequences=8, prompt=16,
+                                            generate=NEW_TOKENS, flash_attn=flash_attn)
+    return {**rows, "batched_tg": batched["tg"]}
+
+
+def print_tool_rows(result: dict) -> None:
+    """The server's rows beside llama.cpp's own tools on the same file."""
+    tables = {"f32": (result["median"], result["llama_tools"])}
+    tables.update((t, (g["median"], g["llama_tools"])) for t, g in result["gguf"].items())
+    print(f"\n{'file':<8}{'MAX scenario':<22}{'MAX tok/s':>11}  {'llama.cpp tool':<36}"
+          f"{'tok/s':>9}{'MAX/tool':>10}{'ms/tok MAX / tool':>20}")
+    for label, (median, tools) in tables.items():
+        for scenario, figure, tool in TOOL_ROWS:
+            if scenario not in median or figure not in tools:
+                continue
+            ours, theirs = median[scenario]["max_tok_s"], tools[figure]
+            print(f"{label:<8}{scenario:<22}{ours:>11.1f}  {tool:<36}{theirs:>9.1f}"
+                  f"{ours / theirs:>10.2f}{1e3 / ours:>11.2f} / {1e3 / theirs:.2f}")
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name, named beside every table."""
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def print_report(result: dict) -> None:
     gguf = result["gguf"]
+    print(f"CPU: {result['cpu_model']}, {result['threads']} threads per engine")
     print_table({"": result["median"], **{t: g["median"] for t, g in gguf.items()}})
+    if result.get("llama_tools"):
+        print_tool_rows(result)
     print("\ntop-1: fraction of generated tokens that are HF's argmax after the same prefix, "
           "teacher-forced on the engine's own tokens.")
     if gguf:
@@ -424,6 +475,7 @@ def measure_gguf(
     return {
         "file": path.name, "median": median_table(runs), "runs": runs,
         "peak_rss_gb": rss[GGUF_RSS_BATCH_SIZE],
+        "llama_tools": llama_tools(path, args.llama_flash_attn) if args.llama_tools else None,
     }
 
 
@@ -439,6 +491,11 @@ def main() -> None:
     parser.add_argument(
         "--llama-flash-attn", action="store_true",
         help="llama.cpp with its default flash attention: faster long prefills, less exact",
+    )
+    parser.add_argument(
+        "--llama-tools", action="store_true",
+        help="also run llama.cpp's llama-bench and llama-batched-bench on the same files "
+        "(built once by build_llama_cpp.sh)",
     )
     parser.add_argument(
         "--gguf-types", default="q4_k,q6_k,f16",
@@ -486,9 +543,14 @@ def main() -> None:
         "preset": args.preset, "devices": args.devices, "repeat": args.repeat,
         "cpus": os.cpu_count(), "median": median_table(runs),
         "runs": runs, "startup": startup, "concurrency_sweep": sweep,
+        "cpu_model": cpu_model(),
         "peer": args.peer, "llama_flash_attn": args.llama_flash_attn, "threads": THREADS,
         "rss_by_max_batch_size": rss_by_batch_size(checkpoint, sizes, args.devices, scratch),
         "llama_cpp_logit_check": logit_check,
+        "llama_tools": (
+            llama_tools(gguf_file(checkpoint, "f32"), args.llama_flash_attn)
+            if args.llama_tools else None
+        ),
         "gguf": {t: measure_gguf(checkpoint, t, hf, args, scratch) for t in gguf_types},
         "load_avg": os.getloadavg(),
     }

@@ -1,0 +1,285 @@
+"""Where one decode step's time goes at batch 1, in-process (`gpt2_max.Generator`).
+
+    PYTHONPATH=. heavy python benchmarks/bench_step.py                  # f32, q4_k_m
+    PYTHONPATH=. heavy python benchmarks/bench_step.py --types f16 --new-tokens 64
+
+Each type is the GGUF of the random-weight checkpoint `bench_serve.py` caches
+(same files as its llama.cpp rows). One request, 16-token prompt, greedy, new
+tokens to the end; every decode step after the prefill is booked by wrapping
+what MAX's pipeline calls per step:
+
+  step              entry of one `pipeline.execute` to the next (everything)
+  model graph       the compiled model callable (`PipelineModel.model`)
+  sampler graph     MAX's fused sampler graph
+  prepare_batch     input building: token/offset tensors, KV cache inputs
+  kv_manager.step   KV bookkeeping after the step
+  pipeline, other   the rest of `pipeline.execute` (Python around the above)
+  outside execute   `GenerateIterator` and `Generator` (detokenize, stop scan)
+
+The model graph is then split by microbenchmarks of partial graphs on the same
+weights: every projection of the model chained at one row (the matmuls, with
+the bytes they stream and the GB/s that makes), MAX's LayerNorm / GELU /
+residual ops the model runs, and an execute of a one-op graph (the fixed cost
+of a graph call). What the model graph takes beyond those is attention, the
+K/V stores, embeddings and the rest. MAX's profiling (`MODULAR_ENABLE_PROFILING`,
+`--kernel-trace-level`) emits NVTX ranges for Nsight/libkineto, GPU tools that
+record nothing for CPU kernels, hence partial graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import llama_cpp_tools
+from bench_serve import CHECKPOINTS, THREADS, cpu_model, gguf_file
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph, TensorType, ops
+from max.graph.weights import GGUFWeights
+
+from gpt2_max import kernels
+from gpt2_max.checkpoint import preset_config, write_checkpoint
+from gpt2_max.generator import Generator
+from gpt2_max.quantized import _matmul, repack
+from gpt2_max.weights.gguf import _reader, convert_gguf_state_dict, huggingface_config, metadata
+
+PROMPT = list(range(2000, 2016))
+
+
+class Book:
+    """Durations per name, one entry per call."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = defaultdict(list)
+        self.entries: list[float] = []
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls[name].append(time.perf_counter() - start)
+
+        return timed
+
+
+class TimedSampler:
+    """MAX's sampler `Model`, its calls booked."""
+
+    def __init__(self, model: Any, book: Book) -> None:
+        self._model = model
+        self._call = book.wrap("sampler graph", model)
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
+    """Mean milliseconds per decode step of each part (see the module docstring)."""
+    with Generator(path.parent, max_batch_size=1, weight_path=[str(path)]) as gen:
+        recorder = gen._pipeline
+        pipeline = recorder._pipeline
+        model = pipeline._pipeline_model
+        gen.generate(PROMPT, 8, ignore_eos=True)  # warm-up
+
+        book = Book()
+        model.model = book.wrap("model graph", model.model)
+        pipeline._sampler_without_bitmask = TimedSampler(pipeline._sampler_without_bitmask, book)
+        pipeline.prepare_batch = book.wrap("prepare_batch", pipeline.prepare_batch)
+        kv = pipeline._kv_manager
+        kv.step = book.wrap("kv_manager.step", kv.step)
+        execute = book.wrap("pipeline.execute", pipeline.execute)
+
+        def entered(inputs: Any) -> Any:
+            book.entries.append(time.perf_counter())
+            return execute(inputs)
+
+        pipeline.execute = entered
+        start = time.perf_counter()
+        gen.generate(PROMPT, new_tokens, ignore_eos=True)
+        wall = time.perf_counter() - start
+        book.entries.append(time.perf_counter())
+    # Drop the prefill (first call); the last interval ends when `generate` returns.
+    steps = np.diff(book.entries)[1:]
+    table = {"step": float(np.mean(steps)) * 1e3}
+    for name, calls in book.calls.items():
+        table[name] = float(np.mean(calls[1:])) * 1e3
+    table["pipeline, other"] = table["pipeline.execute"] - sum(
+        table[n] for n in ("model graph", "sampler graph", "prepare_batch", "kv_manager.step")
+    )
+    table["outside execute"] = table["step"] - table["pipeline.execute"]
+    table["tok/s (wall, prefill included)"] = new_tokens / wall
+    return table
+
+
+# ---- partial graphs -------------------------------------------------------------
+
+
+def model_weights(path: Path) -> tuple[dict[str, Any], Any]:
+    """The weights as the model holds them (converted, packed ones repacked)."""
+    weights = GGUFWeights(path)
+    state = dict(weights.items())
+    reader = _reader(next(iter(state.values())))
+    config = huggingface_config(metadata(reader), {t.name for t in reader.tensors})
+    converted = convert_gguf_state_dict(state, config)
+    return repack(converted), config
+
+
+def _array(weight: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(weight.data))
+
+
+def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np.ndarray], int]:
+    """A graph multiplying one row through every projection the model runs, in the
+    model's order (a slice of c_attn's output feeds c_proj), then the LM head;
+    the weights are graph inputs. Returns it, its inputs and the bytes of weights
+    it streams."""
+    names = []
+    for i in range(config.n_layer):
+        for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            names.append(f"h.{i}.{part}")
+    head = "lm_head" if "lm_head.weight" in state else "wte"
+    arrays: list[np.ndarray] = [np.zeros((1, config.n_embd), np.float32)]
+    types = [TensorType(DType.float32, [1, config.n_embd], DeviceRef.CPU())]
+    plan = []
+    for name in [*names, head]:
+        w = state[f"{name}.weight"]
+        a = _array(w)
+        arrays.append(a)
+        types.append(TensorType(DType.from_numpy(a.dtype), list(a.shape), DeviceRef.CPU()))
+        bias = state.get(f"{name}.bias") if name != head else None
+        if bias is not None:
+            b = _array(bias)
+            arrays.append(b)
+            types.append(TensorType(DType.float32, list(b.shape), DeviceRef.CPU()))
+        plan.append((name, w.quantization_encoding, bias is not None))
+    nbytes = sum(a.nbytes for a in arrays[1:] if a.ndim == 2)
+    with Graph("projections", input_types=types) as graph:
+        inputs = iter(v.tensor for v in graph.inputs)
+        x = next(inputs)
+        for name, encoding, has_bias in plan:
+            w = next(inputs)
+            b = next(inputs) if has_bias else None
+            if encoding is not None:
+                y = _matmul(encoding)(x, w)
+                if b is not None:
+                    y = y[:, : b.shape[0]] + b
+            elif b is not None:
+                y = kernels.skinny_linear(x, w, b)
+            else:
+                y = kernels.skinny_matmul(x, w)
+            x = y if name == head or name.endswith("mlp.c_fc") else y[:, : config.n_embd]
+        graph.output(x)
+    return graph, arrays, nbytes
+
+
+def small_ops(config: Any) -> Graph:
+    """MAX's LayerNorms, tanh GELUs and residual adds, as many as one step runs."""
+    d, ff = config.n_embd, 4 * config.n_embd
+    cpu = DeviceRef.CPU()
+    types = [TensorType(DType.float32, [1, d], cpu), TensorType(DType.float32, [1, ff], cpu),
+             TensorType(DType.float32, [d], cpu)]
+    with Graph("small_ops", input_types=types) as graph:
+        x, f, g = (v.tensor for v in graph.inputs)
+        for _ in range(config.n_layer):
+            h = ops.layer_norm(x, g, g, 1e-5)
+            x = x + h
+            h = ops.layer_norm(x, g, g, 1e-5)
+            f = ops.gelu(f + h[:, :1], approximate="tanh")
+            x = x + h
+        graph.output(ops.layer_norm(x, g, g, 1e-5), f)
+    return graph
+
+
+def one_op() -> Graph:
+    with Graph("one_op", input_types=[TensorType(DType.float32, [1], DeviceRef.CPU())]) as graph:
+        graph.output(graph.inputs[0].tensor + 1)
+    return graph
+
+
+def time_execute(model: Any, buffers: list[Buffer], repeat: int) -> float:
+    """Median milliseconds of one execute."""
+    for _ in range(5):
+        model.execute(*buffers)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        model.execute(*buffers)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def graph_split(path: Path, repeat: int) -> dict[str, float]:
+    state, config = model_weights(path)
+    session = InferenceSession(devices=[CPU()])
+    chain, arrays, nbytes = projection_chain(state, config)
+    buffers = [Buffer.from_numpy(a) for a in arrays]
+    matmuls = time_execute(session.load(chain), buffers, repeat)
+    d = config.n_embd
+    small = time_execute(session.load(small_ops(config)), [
+        Buffer.from_numpy(np.ones((1, d), np.float32)),
+        Buffer.from_numpy(np.ones((1, 4 * d), np.float32)),
+        Buffer.from_numpy(np.ones(d, np.float32)),
+    ], repeat)
+    empty = time_execute(session.load(one_op()), [Buffer.from_numpy(np.ones(1, np.float32))],
+                         repeat)
+    return {
+        "projections (graph)": matmuls, "weight MB": nbytes / 1e6,
+        "GB/s": nbytes / matmuls / 1e6, "small ops (graph)": small, "one-op graph": empty,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--types", default="f32,q4_k_m")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--llama-bench", action="store_true",
+                        help="also run llama.cpp's llama-bench (tg128) on each file")
+    args = parser.parse_args()
+    checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
+    if not (checkpoint / "model.safetensors").exists():
+        write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
+    print(f"CPU: {cpu_model()}; preset {args.preset}; batch 1, {len(PROMPT)}-token prompt, "
+          f"{args.new_tokens} new tokens; ms per decode step (mean)")
+    for file_type in args.types.split(","):
+        path = gguf_file(checkpoint, file_type)
+        split = graph_split(path, args.repeat)
+        steps = step_accounting(path, args.new_tokens)
+        model = steps["model graph"]
+        rest = model - split["projections (graph)"] - split["small ops (graph)"]
+        print(f"\n{file_type} ({path.name}): {steps['step']:.2f} ms per step, "
+              f"{1e3 / steps['step']:.1f} tok/s per step")
+        for name in ("step", "model graph"):
+            print(f"  {name:<34} {steps[name]:8.3f}")
+        print(f"    {'projections, alone at 1 row':<32} {split['projections (graph)']:8.3f}"
+              f"   ({split['weight MB']:.0f} MB, {split['GB/s']:.1f} GB/s)")
+        print(f"    {'LayerNorm/GELU/residual ops':<32} {split['small ops (graph)']:8.3f}")
+        print(f"    {'attention, K/V stores, rest':<32} {rest:8.3f}"
+              f"   (a one-op graph executes in {split['one-op graph']:.3f})")
+        for name in ("sampler graph", "prepare_batch", "kv_manager.step", "pipeline, other",
+                     "outside execute"):
+            print(f"  {name:<34} {steps[name]:8.3f}")
+        print(f"  step streams {split['weight MB'] / steps['step']:.1f} GB/s of weights")
+        if args.llama_bench:
+            tg = llama_cpp_tools.llama_bench(path, THREADS, prompt=0)["tg128"]
+            print(f"  llama-bench tg128: {tg:.1f} tok/s, {1e3 / tg:.2f} ms per token, "
+                  f"{split['weight MB'] * tg / 1e3:.1f} GB/s; gpt2-max step / llama.cpp "
+                  f"{steps['step'] * tg / 1e3:.2f}")
+
+
+if __name__ == "__main__":
+    main()

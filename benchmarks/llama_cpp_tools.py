@@ -1,0 +1,58 @@
+"""llama.cpp's own benchmark tools as a peer: `llama-bench` (tg128, pp900) and
+`llama-batched-bench` on the same GGUF files as the other rows.
+
+The binaries come from `build_llama_cpp.sh` (llama.cpp as vendored in the
+llama-cpp-python sdist the ctypes peer runs, built for this CPU); `binaries()`
+runs it, which is a no-op once they exist. Flash attention is off unless asked
+for, as in the ctypes peer. A benchmark-only extra, never in the test install.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+BUILD_SCRIPT = Path(__file__).with_name("build_llama_cpp.sh")
+
+
+def binaries() -> Path:
+    """The folder holding llama.cpp's tools, built first if they are not."""
+    out = subprocess.run([str(BUILD_SCRIPT)], check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def llama_bench(
+    model: Path, threads: int, *, prompt: int = 900, generate: int = 128, repeat: int = 3,
+    flash_attn: bool = False,
+) -> dict[str, float]:
+    """`llama-bench`'s mean tokens per second: `pp<prompt>` and `tg<generate>`."""
+    out = subprocess.run(
+        [str(binaries() / "llama-bench"), "-m", str(model), "-t", str(threads),
+         "-p", str(prompt), "-n", str(generate), "-r", str(repeat),
+         "-fa", "1" if flash_attn else "0", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    )
+    rows = {}
+    for test in json.loads(out.stdout):
+        name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
+        rows[name] = float(test["avg_ts"])
+    return rows
+
+
+def batched_bench(
+    model: Path, threads: int, *, sequences: int = 8, prompt: int = 16, generate: int = 128,
+    flash_attn: bool = False,
+) -> dict[str, float]:
+    """`llama-batched-bench` with `sequences` streams of `prompt` + `generate` tokens:
+    its decode tokens per second over all streams (`S_TG t/s`) and its total."""
+    ctx = sequences * (prompt + generate)
+    out = subprocess.run(
+        [str(binaries() / "llama-batched-bench"), "-m", str(model), "-t", str(threads),
+         "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+         "-ntg", str(generate), "-npl", str(sequences), "-fa", "1" if flash_attn else "0",
+         "--output-format", "jsonl"],
+        check=True, capture_output=True, text=True,
+    )
+    (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {"tg": float(row["speed_tg"]), "total": float(row["speed"])}
