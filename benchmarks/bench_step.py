@@ -36,8 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import llama_cpp_tools
+import numpy as np
 from bench_serve import CHECKPOINTS, THREADS, cpu_model, gguf_file
 from max.driver import CPU, Buffer
 from max.dtype import DType
@@ -46,10 +46,12 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 from max.graph.weights import GGUFWeights
 
 from gpt2_max import kernels
-from gpt2_max.checkpoint import preset_config, write_checkpoint
-from gpt2_max.generator import Generator
-from gpt2_max.quantized import _matmul, repack
-from gpt2_max.weights.gguf import _reader, convert_gguf_state_dict, huggingface_config, metadata
+from gpt2_max.generate import Generator
+from gpt2_max.layers.quantized import _matmul, repack
+from gpt2_max.shims.internals import gguf_reader
+from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
+from gpt2_max.tools.gguf_config import huggingface_config
+from gpt2_max.weights.gguf import convert_gguf_state_dict, metadata
 
 PROMPT = list(range(2000, 2016))
 
@@ -131,7 +133,7 @@ def model_weights(path: Path) -> tuple[dict[str, Any], Any]:
     """The weights as the model holds them (converted, packed ones repacked)."""
     weights = GGUFWeights(path)
     state = dict(weights.items())
-    reader = _reader(next(iter(state.values())))
+    reader = gguf_reader(next(iter(state.values())))
     config = huggingface_config(metadata(reader), {t.name for t in reader.tensors})
     converted = convert_gguf_state_dict(state, config)
     return repack(converted), config
