@@ -1,9 +1,10 @@
 """`response_format` through `max serve --enable-structured-output` on the CPU (openai client).
 
-One server (the plugin's `gpt2_max_structured_server`) for the whole module.
-The model has random weights, so only the grammar makes its output parse:
-every answer (greedy, streamed, seeded) is parsed and validated with
-`jsonschema`.
+One server (the plugin's `gpt2_max_structured_server`) for the whole module. The model has random
+weights, so only the grammar makes its output parse: every answer (greedy,
+streamed, seeded) is parsed and validated with `jsonschema`. Greedy answers
+are also transformers' greedy under the server's own grammar (MAX's xgrammar
+bitmask), token for token.
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import numpy as np
 import pytest
+from llguidance import LLMatcher
+from transformers import AutoTokenizer
 
+from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
+from gpt2_max.generate.xgrammar_mask import compile_json_schema
+from gpt2_max.testing.reference import hf_xgrammar_greedy, server_grammar_backend
 from gpt2_max.testing.schemas import UNBOUNDED_NUMBERS
+from gpt2_max.tokenizer import TOKENIZER_DIR
 
 SHORT = {"type": "string", "maxLength": 8}
 POINT = {
@@ -100,11 +108,23 @@ def greedy(served):
     return {name: chat(served, name, temperature=0.0) for name in SCHEMAS}
 
 
+@pytest.fixture(scope="module")
+def sampled(served):
+    """Each schema's answers sampled at temperature 1 with each of `SEEDS`, asked once."""
+    return {
+        name: [chat(served, name, temperature=1.0, seed=seed) for seed in SEEDS]
+        for name in SCHEMAS
+    }
+
+
+def token_ids(response) -> list[int]:
+    return response.choices[0].model_extra["token_ids"]
+
+
 @pytest.mark.parametrize("name", SCHEMAS)
-def test_greedy_streamed_and_sampled_answers_validate(served, greedy, name) -> None:
+def test_greedy_streamed_and_sampled_answers_validate(served, greedy, sampled, name) -> None:
     schema = SCHEMAS[name]
-    answers = [greedy[name].choices[0]]
-    answers += [chat(served, name, temperature=1.0, seed=seed).choices[0] for seed in SEEDS]
+    answers = [greedy[name].choices[0]] + [response.choices[0] for response in sampled[name]]
     for choice in answers:
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), schema)
@@ -115,3 +135,32 @@ def test_greedy_streamed_and_sampled_answers_validate(served, greedy, name) -> N
     chunks = [c.choices[0] for c in stream if c.choices]
     assert "".join(c.delta.content or "" for c in chunks) == answers[0].message.content
     assert chunks[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_greedy_equals_transformers_under_the_servers_grammar(served, greedy, name) -> None:
+    """Step by step: the highest logit among the tokens MAX's xgrammar bitmask allows."""
+    prompt = greedy[name].choices[0].model_extra["prompt_token_ids"]
+    expected = hf_xgrammar_greedy(served.reference.model, prompt, SCHEMAS[name], MAX_TOKENS)
+    assert token_ids(greedy[name]) == expected
+
+
+def test_xgrammar_allows_tokenizations_llguidance_forbids() -> None:
+    """Why greedy under llguidance is not the server's greedy: with `{"` forced,
+    llguidance allows only the canonical token `{"` (4895), xgrammar `{` (90) too."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    schema = SCHEMAS["nested-optional"]
+    llg = llg_tokenizer(tokenizer, len(tokenizer))
+    matcher = LLMatcher(llg, compile_constraint(llg, "json_schema", schema))
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+    assert (allowed[90], allowed[4895]) == (0, 1)
+    assert hf_xgrammar_allows(schema, [90, 4895]) == [True, True]
+
+
+def hf_xgrammar_allows(schema: dict, tokens: list[int]) -> list[bool]:
+    backend = server_grammar_backend()
+    matcher = backend.create_matcher(compile_json_schema(backend, schema))
+    bitmask = backend.allocate_token_bitmask(1, 50257)
+    backend.fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
+    return [bool(allowed[token]) for token in tokens]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,10 +18,12 @@ from llguidance import LLTokenizer
 from max.pipelines.context import SamplingParams, SamplingParamsInput, TextContext
 from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
+from ..shims.internals import xgrammar_backend
 from ..stop import StopScanner
 from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenizer
 from .detokenize import IncrementalText
-from .results import Row
+from .results import Mask, Row
+from .xgrammar_mask import XgrammarMask, compile_json_schema
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,11 @@ class Options:
     rule in `gpt2_max.stop`); `stop_token_ids` end a row like EOS. `logprobs=k`
     reports each sampled token's log-probability and its k most likely
     alternatives. At most one of `json_schema`, `regex` and `grammar` (Lark)
-    constrains the output.
+    constrains the output. `grammar_engine` picks who enforces it: "llguidance"
+    (the default: canonical tokens, forced ones fast-forwarded) or "xgrammar"
+    (`json_schema` only: the engine and the one-token-a-step policy of `max
+    serve --enable-structured-output`, so the same schema, prompt and seed give
+    the server's tokens).
     """
 
     temperature: float = 0.0
@@ -47,6 +53,7 @@ class Options:
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     grammar: str | None = None
+    grammar_engine: str = "llguidance"
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> Options:
@@ -96,13 +103,13 @@ class Requests:
             raise ValueError(f"max_new_tokens must be at least 1, was {max_new_tokens}.")
         if not prompts:
             raise ValueError("no prompts given.")
-        grammar = self._grammar(options)
+        new_mask = self._mask_factory(options)
         contexts = self.contexts(
             prompts, max_new_tokens, options, seeds or [options.seed] * len(prompts)
         )
         rows = []
         for context in contexts:
-            mask = GrammarMask.new(self.grammar_tokenizer, grammar) if grammar else None
+            mask = new_mask() if new_mask else None
             if mask:
                 context.sampling_params.logits_processors = [mask]
             rows.append(
@@ -123,10 +130,29 @@ class Requests:
         """llguidance's view of the tokenizer, built on the first constrained request."""
         return llg_tokenizer(self.tokenizer, self._tokenizer.tokenizer_vocab_size)
 
-    def _grammar(self, options: Options) -> str | None:
+    @cached_property
+    def xgrammar_backend(self) -> Any:
+        """The server's grammar backend, built on the first request that asks for it."""
+        return xgrammar_backend(self._tokenizer)
+
+    def _mask_factory(self, options: Options) -> Callable[[], Mask] | None:
+        """Compiles the request's constraint once; the factory gives each row its own state."""
         if (constraint := options.constraint) is None:
             return None
-        return compile_constraint(self.grammar_tokenizer, *constraint)
+        kind, source = constraint
+        if options.grammar_engine == "xgrammar":
+            if kind != "json_schema":
+                raise ValueError(f"grammar_engine 'xgrammar' serves json_schema only, not {kind}.")
+            compiled = compile_json_schema(self.xgrammar_backend, source)
+            vocab_size = len(self.tokenizer)
+            return lambda: XgrammarMask.new(self.xgrammar_backend, compiled, vocab_size)
+        if options.grammar_engine != "llguidance":
+            raise ValueError(
+                "grammar_engine must be 'llguidance' or 'xgrammar', "
+                f"not {options.grammar_engine!r}."
+            )
+        grammar = compile_constraint(self.grammar_tokenizer, kind, source)
+        return lambda: GrammarMask.new(self.grammar_tokenizer, grammar)
 
     def contexts(
         self,

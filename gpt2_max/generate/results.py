@@ -9,6 +9,10 @@ from max.pipelines.context import GenerationStatus, TextContext
 from ..stop import StopScanner
 from .constrained import GrammarMask
 from .detokenize import IncrementalText
+from .xgrammar_mask import XgrammarMask
+
+Mask = GrammarMask | XgrammarMask
+"""A row's grammar state, from either engine."""
 
 FINISH_REASONS = {
     GenerationStatus.END_OF_SEQUENCE: "stop",
@@ -50,7 +54,7 @@ class Row:
     context: TextContext
     stops: StopScanner
     text: IncrementalText
-    mask: GrammarMask | None
+    mask: Mask | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float | None] | None = None
     top_logprobs: list[dict[int, float]] | None = None

@@ -17,6 +17,7 @@ from max.pipelines.lib import MAXModelConfig
 from max.pipelines.lib.config.model_config import _select_quantization_encoding
 from max.pipelines.lib.generate import _ROW_SEED_STRIDE
 from max.pipelines.lib.memory_estimation import MemoryEstimator
+from max.pipelines.lib.pipeline_variants.structured_output_backend import make_grammar_backend
 
 ROW_SEED_STRIDE: int = _ROW_SEED_STRIDE
 """MAX's `generate` seeds row `i` of a batch with `seed + i * ROW_SEED_STRIDE`;
@@ -71,3 +72,18 @@ def run_again(tokens: TokenBuffer, n: int) -> None:
     """Makes the last `n` tokens (appended with `update`, so counted as processed)
     active again, so the next step computes their KV entries."""
     tokens.rewind_processing(n)
+
+
+def xgrammar_backend(tokenizer: Any) -> Any:
+    """MAX's grammar backend for a pipeline `tokenizer`, built as `max serve` builds it.
+
+    `StructuredOutputHelper.from_tokenizer` (the serving path) calls the same
+    factory with the same vocabulary, stop tokens and compact JSON, so a
+    schema compiled by it masks exactly what the server's masks.
+    """
+    return make_grammar_backend(
+        "xgrammar",
+        tokenizer.delegate,
+        len(tokenizer.delegate),
+        stop_token_ids=tokenizer.eos_token_ids,
+    )

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
 from gpt2_max.tools.checkpoint import (
@@ -88,6 +90,48 @@ def hf_greedy(
                 use_cache=True,
             )
     return tokens, np.stack(logits)
+
+
+@cache
+def server_grammar_backend() -> Any:
+    """The xgrammar backend `max serve` builds for the vendored GPT-2 tokenizer."""
+    from gpt2_max.shims.internals import xgrammar_backend
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    return xgrammar_backend(
+        SimpleNamespace(delegate=tokenizer, eos_token_ids={tokenizer.eos_token_id})
+    )
+
+
+def hf_xgrammar_greedy(
+    model: GPT2LMHeadModel, prompt: list[int], schema: dict[str, Any], max_tokens: int
+) -> list[int]:
+    """transformers' greedy under the grammar `max serve` enforces for a `response_format` schema.
+
+    Each step takes the highest logit among the tokens MAX's xgrammar bitmask
+    allows, built by the factory the server calls, from the schema as the
+    server's tokenizer prepares it; one token a step, the end-of-text token
+    included when the grammar closes (as the server reports `token_ids`).
+    """
+    from gpt2_max.generate.xgrammar_mask import compile_json_schema
+
+    backend = server_grammar_backend()
+    matcher = backend.create_matcher(compile_json_schema(backend, schema))
+    bitmask = backend.allocate_token_bitmask(1, GPT2_VOCAB_SIZE)
+    vocab = sampleable(model)
+    tokens: list[int] = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        while len(tokens) < max_tokens and not matcher.is_stopped():
+            backend.fill_next_token_bitmask(matcher, bitmask, 0)
+            allowed = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:vocab]
+            logits = out.logits[0, -1, :vocab].numpy()
+            tokens.append(int(np.where(allowed == 1, logits, -np.inf).argmax()))
+            assert matcher.try_consume_tokens(tokens[-1:]) == 1
+            out = model(
+                torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return tokens
 
 
 def hf_prompt_logprobs(model: GPT2LMHeadModel, prompt: list[int]) -> list[float]:

@@ -99,3 +99,15 @@ def test_the_stop_patch_serves_several_tokenizer_types_and_patches_once() -> Non
     assert patched.cuts_at_stops
     assert stop_strings._TOKENIZER_TYPES.count(First) == 1
     assert Second in stop_strings._TOKENIZER_TYPES
+
+
+def test_the_server_builds_its_grammar_backend_as_xgrammar_backend_does() -> None:
+    """`xgrammar_backend` gives the Generator the server's masks only while MAX's
+    serving path calls the same factory with the same vocabulary and stop tokens."""
+    from max.pipelines.lib.pipeline_variants.utils import StructuredOutputHelper
+
+    source = inspect.getsource(StructuredOutputHelper.from_tokenizer)
+    for part in ("vocab_size = len(tokenizer_delegate)", "make_grammar_backend(",
+                 "stop_token_ids=tokenizer.eos_token_ids", "any_whitespace=bool(any_whitespace)"):
+        assert part in source, part
+    assert "xgrammar" in inspect.getsource(internals.xgrammar_backend)
