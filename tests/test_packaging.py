@@ -14,6 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from gpt2_max.testing.server import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ def test_wheel_carries_every_package_file(tmp_path: Path) -> None:
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
          str(source)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env=child_env(),
     )
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (tmp_path / "dist").glob("gpt2_max-*.whl")
