@@ -11,6 +11,9 @@ runs it every step on the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -23,9 +26,28 @@ from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
+from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .quantized import repack
 from .weights.gguf import release_pages
+
+logger = logging.getLogger("max.pipelines")
+"""MAX's pipeline logger: what `max serve` prints."""
+
+FIRST_COMPILE_CORE_MINUTES = 4
+"""A first start's graph and sampler compiles, in minutes times CPU cores (the start
+profile, `benchmarks/bench_start.py`, measures them)."""
+
+
+def announce_compile(encoding: object) -> None:
+    """One line before the graph compile, so a first start that takes minutes is not
+    taken for a hung one."""
+    minutes = max(1, math.ceil(FIRST_COMPILE_CORE_MINUTES / (os.cpu_count() or 1)))
+    logger.info(
+        "gpt2_max: compiling the GPT-2 graph for %s; the first start takes about %d "
+        "minute%s on this machine, later starts reuse MAX's cache at %s",
+        encoding, minutes, "" if minutes == 1 else "s", max_cache_dir(),
+    )
 
 
 class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
@@ -46,6 +68,7 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
         release does on GPUs; a GGUF mapping, which MAX gives no way to close,
         keeps no pages.
         """
+        announce_compile(self.pipeline_config.model.quantization_encoding)
         compiled = super().load_model()
         # `getattr` would not do: `Weights` answer any attribute with a child.
         if isinstance(self.weights, SafetensorWeights):
