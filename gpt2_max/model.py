@@ -13,6 +13,9 @@ the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -24,9 +27,28 @@ from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
 from .layers import layers_for
+from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .weights.mapping import release
 from .weights.plan import WeightPlan
+
+logger = logging.getLogger("max.pipelines")
+"""MAX's pipeline logger: what `max serve` prints."""
+
+FIRST_COMPILE_CORE_MINUTES = 4
+"""A first start's graph and sampler compiles, in minutes times CPU cores (the start
+profile, `benchmarks/bench_start.py`, measures them)."""
+
+
+def announce_compile(encoding: object) -> None:
+    """One line before the graph compile, so a first start that takes minutes is not
+    taken for a hung one."""
+    minutes = max(1, math.ceil(FIRST_COMPILE_CORE_MINUTES / (os.cpu_count() or 1)))
+    logger.info(
+        "gpt2_max: compiling the GPT-2 graph for %s; the first start takes about %d "
+        "minute%s on this machine, later starts reuse MAX's cache at %s",
+        encoding, minutes, "" if minutes == 1 else "s", max_cache_dir(),
+    )
 
 
 class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
@@ -37,6 +59,7 @@ class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[
 
     def load_model(self) -> Callable[..., Any]:
         """Compiles the model, then lets the checkpoint's file go (`weights.mapping`)."""
+        announce_compile(self.pipeline_config.model.quantization_encoding)
         compiled = super().load_model()
         release(self.weights)
         return compiled

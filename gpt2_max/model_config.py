@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoTokenizer, GPT2Config
 from typing_extensions import Self, override
 
 from .shims.internals import quantization_encoding
-from .weight_files import check_complete
+from .weights.files import check_complete
 from .weights.plan import PACKED_ENCODINGS, WeightPlan
 from .weights.schema import feed_forward_size, ties_word_embeddings
 

@@ -18,8 +18,8 @@ import gpt2_max
 PACKAGE = Path(gpt2_max.__file__).parent
 
 FLOORS: list[set[str]] = [
-    {"stop", "weight_files", "inputs", "kernels", "json_schemas"},
-    {"shims"},
+    {"stop", "inputs", "json_schemas", "max_cache"},
+    {"shims", "kernels"},
     {"weights"},
     {"model_config"},
     {"tokenizer", "batch_processor", "memory_planner", "layers"},

@@ -16,6 +16,7 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from gpt2_max.max_cache import max_cache_dir
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
 from gpt2_max.testing.load import GREEDY, LoadRequest, run_load
 from gpt2_max.testing.reference import (
@@ -52,6 +53,16 @@ def chunking_server(checkpoints, tmp_path_factory):
         log=log,
     ) as running:
         yield running.url
+
+
+def test_the_start_says_it_compiles_before_it_does(gpt2_max_server):
+    """A first start compiles for minutes: the log says so first, and where the cache is."""
+    lines = gpt2_max_server.log.read_text().splitlines()
+    (said,) = [i for i, line in enumerate(lines) if "gpt2_max: compiling the GPT-2 graph" in line]
+    compiled = next(i for i, line in enumerate(lines) if "Compiling GPT2 took" in line)
+    assert said < compiled
+    assert "for float32;" in lines[said] and "minute" in lines[said]
+    assert lines[said].endswith(f"later starts reuse MAX's cache at {max_cache_dir()}")
 
 
 def client(url: str) -> OpenAI:

@@ -43,6 +43,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_env(**overrides: str) -> dict[str, str]:
+    """The environment every process this harness starts gets, passed explicitly.
+
+    Importing MAX starts Mojo's Python interop, which sets `PYTHONEXECUTABLE` and
+    prepends `:` to `PYTHONPATH` in the C-level environment, where `os.environ`
+    does not see them; a child started without `env=` inherits them, and the venv's
+    interpreter then starts outside its venv unless the venv was activated. So each
+    child gets `os.environ` as Python sees it, without `PYTHONEXECUTABLE`, plus
+    `overrides`.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONEXECUTABLE"}
+    return {**env, **overrides}
+
+
 def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
     """The `max serve` command line that loads `model` through the gpt2_max plugin."""
     return [
@@ -62,7 +76,7 @@ def assert_start_fails(model: Path, message: str, *args: str) -> None:
     """
     result = subprocess.run(
         serve_command(model, "--host", "127.0.0.1", "--port", "0", *args),
-        capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S,
+        capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S, env=child_env(),
     )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-4000:]
@@ -156,11 +170,7 @@ def max_serve(
     `args` are further `max serve` flags; the server's output goes to `log`.
     """
     port = free_port()
-    env = {
-        **os.environ,
-        "MAX_SERVE_METRICS_ENDPOINT_PORT": str(free_port()),
-        **(env or {}),
-    }
+    env = child_env(MAX_SERVE_METRICS_ENDPOINT_PORT=str(free_port()), **(env or {}))
     command = serve_command(
         model,
         "--served-model-name", MODEL_NAME,

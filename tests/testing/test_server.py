@@ -1,9 +1,12 @@
-"""The harness stops the whole `max serve` process tree, not just its leader."""
+"""The harness stops the whole `max serve` process tree, and starts it from any interpreter."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 
@@ -36,3 +39,29 @@ def test_stop_process_group_ends_children_that_outlive_the_leader(monkeypatch):
     server.stop_process_group(leader)
 
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_refusal_runs_from_a_venv_that_is_not_activated(gpt2_max_checkpoint, tmp_path):
+    """The venv's interpreter, called by path as an IDE or a CI step does, after importing MAX.
+
+    MAX's import leaves `PYTHONEXECUTABLE` (the first `python3` on `PATH`, here
+    outside the venv) in the C-level environment; a child that inherits it starts
+    `max` outside the venv (`No module named 'max'`).
+    """
+    broken = tmp_path / "no-config"
+    shutil.copytree(gpt2_max_checkpoint, broken)
+    (broken / "config.json").unlink()
+    venv_bin = str(Path(sys.executable).parent)
+    env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(
+        entry for entry in env.get("PATH", "").split(os.pathsep) if entry != venv_bin
+    )
+    script = (
+        "import sys, max.pipelines\n"
+        "from gpt2_max.testing.server import assert_start_fails\n"
+        "assert_start_fails(__import__('pathlib').Path(sys.argv[1]), 'No config.json')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(broken)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]

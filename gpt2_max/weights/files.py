@@ -1,9 +1,10 @@
-"""Refuses safetensors files shorter than their own header says, before MAX maps them.
+"""Refuses weight files shorter than their own header says, before MAX maps them.
 
 MAX memory-maps safetensors files and reads tensors where the header points;
 in a truncated file (an interrupted download or copy) that is past the end of
 the mapping, and the model worker dies of a segmentation fault with no word
-about the file. The header alone tells how long the file must be.
+about the file. A truncated GGUF stops the start with numpy's words instead
+(`weights/gguf_extent.py`). The header alone tells how long the file must be.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+
+from .gguf_extent import check_gguf_length
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file starts with its JSON header's length, little-endian u64."""
@@ -33,8 +36,12 @@ def safetensors_length(path: Path) -> int:
 
 
 def check_complete(paths: Iterable[Path]) -> None:
-    """Raises `IncompleteCheckpointError` naming the first truncated safetensors file."""
+    """Raises `IncompleteCheckpointError` naming the first truncated weight file."""
     for path in paths:
+        if path.suffix == ".gguf":
+            if problem := check_gguf_length(path):
+                raise IncompleteCheckpointError(problem)
+            continue
         if path.suffix != ".safetensors":
             continue
         size = path.stat().st_size

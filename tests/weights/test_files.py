@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpt2_max.testing.reference import write_tiny_checkpoint
-from gpt2_max.weight_files import IncompleteCheckpointError, check_complete
+from gpt2_max.weights.files import IncompleteCheckpointError, check_complete
 
 
 def test_complete_checkpoint_passes(tmp_path):
