@@ -1,26 +1,33 @@
 """`response_format` through `max serve --enable-structured-output` on the CPU (openai client).
 
-One server (the plugin's `gpt2_max_structured_server`) for the whole module. The model has random
+One server (the plugin's `gpt2_max_structured_server`) and one in-process
+`Generator` of the same checkpoint for the whole module. The model has random
 weights, so only the grammar makes its output parse: every answer (greedy,
 streamed, seeded) is parsed and validated with `jsonschema`. Greedy answers
 are also transformers' greedy under the server's own grammar (MAX's xgrammar
-bitmask), token for token.
+bitmask), token for token, and the `Generator` asked for that engine gives the
+server's tokens, greedy and seeded.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import numpy as np
 import pytest
 from llguidance import LLMatcher
 from transformers import AutoTokenizer
 
+from gpt2_max.generate import Generator
 from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
 from gpt2_max.generate.xgrammar_mask import compile_json_schema
-from gpt2_max.testing.reference import hf_xgrammar_greedy, server_grammar_backend
-from gpt2_max.testing.schemas import UNBOUNDED_NUMBERS
+from gpt2_max.testing.load import expected_tokens, plan_requests, run_load
+from gpt2_max.testing.reference import TINY, hf_xgrammar_greedy, server_grammar_backend
+from gpt2_max.testing.schemas import UNBOUNDED_NUMBERS, UNBOUNDED_NUMBERS_LONGEST
 from gpt2_max.tokenizer import TOKENIZER_DIR
 
 SHORT = {"type": "string", "maxLength": 8}
@@ -117,6 +124,13 @@ def sampled(served):
     }
 
 
+@pytest.fixture(scope="module")
+def generator(gpt2_max_checkpoint) -> Iterator[Generator]:
+    """The in-process front door on the served checkpoint."""
+    with Generator(gpt2_max_checkpoint, max_batch_size=8) as generator:
+        yield generator
+
+
 def token_ids(response) -> list[int]:
     return response.choices[0].model_extra["token_ids"]
 
@@ -164,3 +178,92 @@ def hf_xgrammar_allows(schema: dict, tokens: list[int]) -> list[bool]:
     backend.fill_next_token_bitmask(matcher, bitmask, 0)
     allowed = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
     return [bool(allowed[token]) for token in tokens]
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_generator_with_the_servers_engine_gives_the_servers_tokens(
+    generator, greedy, sampled, name
+) -> None:
+    """Same schema and prompt, greedy: the same tokens from both front doors."""
+    prompt = greedy[name].choices[0].model_extra["prompt_token_ids"]
+    options = dict(json_schema=SCHEMAS[name], grammar_engine="xgrammar")
+    result = generator.generate(prompt, MAX_TOKENS, temperature=0.0, **options)
+    assert result.token_ids == token_ids(greedy[name])
+    assert result.forced_tokens == 0
+
+
+CYCLE = {
+    "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                       "required": ["next"]}},
+    "type": "object", "properties": {"head": {"$ref": "#/$defs/node"}}, "required": ["head"],
+}
+
+
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        (CYCLE, "#/$defs/node (via property 'next') -> #/$defs/node"),
+        ({"type": "string", "pattern": "(("}, "The parenthesis is not closed"),
+        # xgrammar refuses multipleOf outright (README: bounded numbers instead).
+        ({"type": "number", "multipleOf": 0.5}, "unsupported schema keyword: multipleOf"),
+        ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum greater than maximum"),
+    ],
+    ids=["no-finite-value", "bad-pattern", "multipleOf", "empty-range"],
+)
+def test_bad_schemas_get_400_with_the_reason_and_the_server_keeps_serving(
+    served, schema, reason
+) -> None:
+    body = {"model": served.model, "messages": MESSAGES, "max_tokens": 8,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "bad", "schema": schema}}}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert reason in response.text
+    prompt = [464, 2068, 7586, 21831]
+    after = served.client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=6, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert token_ids(after) == served.reference.greedy(prompt, 6)
+
+
+def test_sixteen_concurrent_requests_mixing_constrained_and_free(served, greedy) -> None:
+    free = plan_requests(8, TINY["n_positions"], distinct_prompts=4, max_prompt=24, seed=19)
+    constrained = list(SCHEMAS)[:8]
+    with ThreadPoolExecutor(len(constrained) + 1) as pool:
+        load = pool.submit(run_load, served.url, free, len(free))
+        answers = {name: pool.submit(chat, served, name, temperature=0.0) for name in constrained}
+        report = load.result()
+        answers = {name: answer.result() for name, answer in answers.items()}
+    assert report.failed == {} and not report.duplicated
+    assert report.completed == expected_tokens(served.reference.model, free, TINY["n_positions"])
+    for name, response in answers.items():
+        assert token_ids(response) == token_ids(greedy[name])
+        jsonschema.validate(json.loads(response.choices[0].message.content), SCHEMAS[name])
+
+
+NUMBER_SEEDS = range(10)
+
+
+def test_sampled_numbers_close_within_the_rules_bound(served) -> None:
+    """Unbounded `number`s are written by `gpt2_max.json_schemas`' rule, so the answer closes."""
+    for seed in NUMBER_SEEDS:
+        response = chat(served, "numbers", temperature=1.0, seed=seed)
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop"
+        # The end-of-text token is counted too.
+        assert response.usage.completion_tokens <= UNBOUNDED_NUMBERS_LONGEST + 1
+        jsonschema.validate(json.loads(choice.message.content), UNBOUNDED_NUMBERS)
+
+
+@pytest.mark.parametrize("engine", ["llguidance", "xgrammar"])
+def test_generator_sampled_numbers_close_within_the_rules_bound(generator, engine) -> None:
+    prompts = [[464, 2068, 7586, 21831], [40, 716]]
+    for seed in NUMBER_SEEDS:
+        for result in generator.generate_batch(
+            prompts, 2 * UNBOUNDED_NUMBERS_LONGEST, json_schema=UNBOUNDED_NUMBERS,
+            grammar_engine=engine, temperature=1.0, seed=seed,
+        ):
+            assert result.finish_reason == "stop", result
+            assert len(result.token_ids) <= UNBOUNDED_NUMBERS_LONGEST + 1
+            jsonschema.validate(json.loads(result.text), UNBOUNDED_NUMBERS)
