@@ -6,6 +6,7 @@ about a second) when the ops are declared, and the graph links the result.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from max.dtype import DType
@@ -34,3 +35,33 @@ skinny_matmul = custom.declare(
     custom_extensions=[MOJO_PACKAGE],
 )
 """`x @ w.T` for a few rows of `x` (the tied LM head)."""
+
+PACKED_TYPES = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+"""GGUF block types the packed kernel decodes (`mojo/kquant.mojo`), by encoding name,
+with the GGML type id the kernel is specialised on."""
+
+_packed_w = custom.TemplateType(DType.uint8, [_n, custom.Symbols("row_bytes")[0]])
+
+
+def packed_linear(encoding: str) -> custom.CustomOp:
+    """`x @ dequant(w).T + b`, `w` GGUF blocks of `encoding` as the file stores them."""
+    return _packed_op("gpt2_packed_linear", encoding)
+
+
+def packed_matmul(encoding: str) -> custom.CustomOp:
+    """`x @ dequant(w).T`, `w` GGUF blocks of `encoding` (a tied head over a packed table)."""
+    return _packed_op("gpt2_packed_matmul", encoding)
+
+
+@functools.cache
+def _packed_op(name: str, encoding: str) -> custom.CustomOp:
+    inputs = {"x": _x, "w": _packed_w}
+    if name == "gpt2_packed_linear":
+        inputs["b"] = custom.TemplateType(DType.float32, [_n])
+    return custom.declare(
+        name,
+        inputs=inputs,
+        outputs=[_y],
+        parameters={"fmt": PACKED_TYPES[encoding]},
+        custom_extensions=[MOJO_PACKAGE],
+    )
