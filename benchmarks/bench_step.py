@@ -47,7 +47,7 @@ from max.graph.weights import GGUFWeights
 
 from gpt2_max import kernels
 from gpt2_max.generate import Generator
-from gpt2_max.layers.quantized import _matmul, repack
+from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
 from gpt2_max.shims.internals import gguf_reader
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.tools.gguf_config import huggingface_config
@@ -174,14 +174,18 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
         for name, encoding, has_bias in plan:
             w = next(inputs)
             b = next(inputs) if has_bias else None
-            if encoding is not None:
+            if encoding is not None and not has_max_kernel(encoding):
+                name_ = encoding.name.lower()
+                y = (kernels.packed_linear(name_)(x, w, b) if b is not None
+                     else kernels.packed_matmul(name_)(x, w))
+            elif encoding is not None:
                 y = _matmul(encoding)(x, w)
                 if b is not None:
                     y = y[:, : b.shape[0]] + b
             elif b is not None:
-                y = kernels.skinny_linear(x, w, b)
+                y = kernels.skinny_linear()(x, w, b)
             else:
-                y = kernels.skinny_matmul(x, w)
+                y = kernels.skinny_matmul()(x, w)
             x = y if name == head or name.endswith("mlp.c_fc") else y[:, : config.n_embd]
         graph.output(x)
     return graph, arrays, nbytes

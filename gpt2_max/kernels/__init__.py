@@ -51,3 +51,37 @@ def skinny_matmul() -> custom.CustomOp:
         outputs=[y],
         custom_extensions=[compiled_package(MOJO_PACKAGE)],
     )
+
+
+PACKED_TYPES = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+"""GGUF block types the packed kernel decodes (`mojo/kquant.mojo`), by encoding name,
+with the GGML type id the kernel is specialised on."""
+
+
+def packed_linear(encoding: str) -> custom.CustomOp:
+    """`x @ dequant(w).T + b`, `w` GGUF blocks of `encoding` as the file stores them."""
+    return _packed_op("gpt2_packed_linear", encoding)
+
+
+def packed_matmul(encoding: str) -> custom.CustomOp:
+    """`x @ dequant(w).T`, `w` GGUF blocks of `encoding` (a tied head over a packed table)."""
+    return _packed_op("gpt2_packed_matmul", encoding)
+
+
+@functools.cache
+def _packed_op(name: str, encoding: str) -> custom.CustomOp:
+    m, k, n = custom.Symbols("m", "k", "n")
+    (row_bytes,) = custom.Symbols("row_bytes")
+    inputs = {
+        "x": custom.TemplateType(DType.float32, [m, k]),
+        "w": custom.TemplateType(DType.uint8, [n, row_bytes]),
+    }
+    if name == "gpt2_packed_linear":
+        inputs["b"] = custom.TemplateType(DType.float32, [n])
+    return custom.declare(
+        name,
+        inputs=inputs,
+        outputs=[custom.TemplateType(DType.float32, [m, n])],
+        parameters={"fmt": PACKED_TYPES[encoding]},
+        custom_extensions=[compiled_package(MOJO_PACKAGE)],
+    )

@@ -1,4 +1,6 @@
-"""A linear layer over GGUF-packed weights, through MAX's quantized CPU kernels.
+"""A linear layer over GGUF-packed weights, through MAX's quantized CPU kernels
+or, for block types MAX has none for (Q5_K), the package's (`kernels/mojo/kquant.mojo`,
+float32 activations, the blocks as the file stores them).
 
 ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
@@ -30,6 +32,7 @@ from max.graph import DeviceRef, Graph, Shape, TensorType, ops
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
+from .. import kernels
 from ..shims.internals import quantized_matmul_op, quantized_repack_op
 from ..weights.hugepages import hugepage_array
 
@@ -37,6 +40,16 @@ PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
 features); a table with other counts (GPT-2's 50257 tokens) is padded with
 all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
+
+
+MAX_KERNEL_ENCODINGS = frozenset(
+    {QuantizationEncoding.Q4_0, QuantizationEncoding.Q4_K, QuantizationEncoding.Q6_K}
+)
+"""Encodings MAX's CPU `qmatmul` multiplies; the rest go through the package's kernel."""
+
+
+def has_max_kernel(encoding: QuantizationEncoding) -> bool:
+    return encoding in MAX_KERNEL_ENCODINGS
 
 
 def padded_rows(rows: int) -> int:
@@ -64,12 +77,18 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
     ) -> None:
         self.encoding = encoding
         self.out_dim = out_dim
+        rows = padded_rows(out_dim) if has_max_kernel(encoding) else out_dim
         self.weight = Tensor.zeros(
-            [padded_rows(out_dim), packed_row_bytes(in_dim, encoding)], dtype=DType.uint8
+            [rows, packed_row_bytes(in_dim, encoding)], dtype=DType.uint8
         )
         self.bias = Tensor.zeros([out_dim]) if bias else 0
 
     def forward(self, x: Tensor) -> Tensor:
+        if not has_max_kernel(self.encoding):
+            name = self.encoding.name.lower()
+            if isinstance(self.bias, int):
+                return kernels.packed_matmul(name)(x, self.weight)
+            return kernels.packed_linear(name)(x, self.weight, self.bias)
         y = _matmul(self.encoding)(x, self.weight)
         if padded_rows(self.out_dim) != self.out_dim:
             y = y[:, : self.out_dim]
@@ -107,7 +126,10 @@ def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
     them all; each result is copied into memory the model keeps, in huge
     pages as the adapters' copies are (`weights/mapping.py`).
     """
-    packed = {n: w for n, w in state_dict.items() if w.quantization_encoding is not None}
+    packed = {
+        n: w for n, w in state_dict.items()
+        if w.quantization_encoding is not None and has_max_kernel(w.quantization_encoding)
+    }
     if not packed:
         return state_dict
     session = InferenceSession(devices=[CPU()])

@@ -12,12 +12,13 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
   Other F16 tensors (position table, norms, biases: small) and all BF16 ones
   are widened to float32 here (MAX's CPU kernels have no bfloat16).
   Safetensors checkpoints in float16 are widened by their own adapter.
-- Q4_0, Q4_K and Q6_K matmul weights stay packed: MAX has CPU kernels for
-  them (`quantized.py`). Embedding tables are dequantized to float32 at load:
-  gathering packed rows and dequantizing them in the graph crashed MAX 26.7's
-  Q4_0 kernel on a GPT-2-sized table. A tied head still multiplies the packed
+- Q4_0, Q4_K, Q5_K and Q6_K matmul weights stay packed: MAX's `qmatmul`
+  multiplies Q4_0, Q4_K and Q6_K, the package's kernel Q5_K
+  (`layers/quantized.py`). Embedding tables are dequantized to float32 at
+  load: gathering packed rows and dequantizing them in the graph crashed MAX
+  26.7's Q4_0 kernel on a GPT-2-sized table. A tied head still multiplies the packed
   token table: the adapter hands it over as `lm_head.weight` too.
-- Other block types (Q8_0, Q5_0, Q4_1, Q5_1, Q5_K, ...) have no MAX kernel; the
+- Other block types (Q8_0, Q5_0, Q4_1, Q5_1, ...) have no kernel here; the
   `gguf` package dequantizes them to float32 here, and one log line lists them.
   MAX's own GGUF reader refuses Q8_0/Q5_0/Q4_1 outright, so their bytes are read
   through the `gguf` reader MAX opened.
@@ -44,15 +45,15 @@ from max.graph.weights import WeightData, Weights
 from ..shims.internals import gguf_reader
 from .gguf_names import hub_name
 from .hugepages import hugepage_array
-from .plan import PACKED_ENCODINGS
+from .plan import KEPT_PACKED
 from .schema import CheckpointError, expected_shapes, feed_forward_size, is_projection_weight
 
 logger = logging.getLogger("max.pipelines")
 
 KERNEL_ENCODINGS: dict[Q, QuantizationEncoding] = {
-    Q[name.upper()]: QuantizationEncoding[name.upper()] for name in PACKED_ENCODINGS
+    Q[name.upper()]: QuantizationEncoding[name.upper()] for name in KEPT_PACKED
 }
-"""Block types MAX can multiply (`qmatmul`) and gather-dequantize on the CPU."""
+"""Block types whose matmul weights stay packed (`plan.KEPT_PACKED`)."""
 
 WIDENED = (Q.F16, Q.BF16)
 """Float types read exactly (widened to float32 unless `stays_half`)."""
@@ -183,7 +184,7 @@ def convert_gguf_state_dict(
         )
     if dequantized:
         logger.info(
-            "gpt2_max: no MAX kernel for %d GGUF tensor(s), dequantized to float32 at "
+            "gpt2_max: no packed kernel for %d GGUF tensor(s), dequantized to float32 at "
             "load: %s",
             len(dequantized),
             ", ".join(dequantized),

@@ -17,8 +17,14 @@ from max.dtype import DType
 from max.graph.quantization import QuantizationEncoding
 
 PACKED_ENCODINGS = frozenset({"q4_0", "q4_k", "q6_k"})
-"""GGUF block encodings MAX has CPU kernels for (`qmatmul`): weights in them
-stay packed; they are also the architecture's quantization encodings."""
+"""The architecture's quantization encodings: GGUF block encodings MAX's
+`--quantization-encoding` names and has CPU kernels (`qmatmul`) for."""
+
+KEPT_PACKED = frozenset({"q4_0", "q4_k", "q5_k", "q6_k"})
+"""Block types whose matmul weights stay packed: those the package's kernel decodes
+(`kernels.PACKED_TYPES`, not imported here: serving loads no kernel before a graph
+is built) that MAX's GGUF reader and `QuantizationEncoding` name (Q8_0 has no
+member, so Q8_0 tensors are dequantized at load)."""
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 # dequantized-weight reference does not have. A wrong block layout or scale
 # gives about chance agreement (1 in the vocabulary) and errors of the logits'
 # own size.
-# Each file is a graph to compile: q4_k_m runs Q4_K and Q6_K blocks packed (and
-# Q5_K dequantized) in one, the graph the served test (`test_gguf_serve.py`) uses.
+# Each file is a graph to compile: q4_k_m runs Q4_K and Q6_K blocks through
+# qmatmul and Q5_K through the package's kernel in one, the graph the served
+# test (`test_gguf_serve.py`) uses.
 BOUNDS = {
     # encoding: (min top-1 agreement, max |logit error| / logit std, max mean |Δ log p|)
     "q4_0": (0.80, 1.0, 0.25),
@@ -191,7 +192,7 @@ def adapt(path: Path, config: GPT2Config = SMALL) -> dict[str, np.ndarray]:
     return converted
 
 
-def test_types_without_a_max_kernel_are_dequantized_with_one_log_line(tmp_path, caplog):
+def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, caplog):
     tensors = small_tensors("q4_k")
     state = random_hub_state_dict(SMALL, seed=2)
     up = state["h.0.mlp.c_fc.weight"].T  # [out, in], as GGUF stores it
@@ -204,13 +205,18 @@ def test_types_without_a_max_kernel_are_dequantized_with_one_log_line(tmp_path, 
         converted = adapt(path)
     lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     assert len(lines) == 1
-    assert "blk.0.ffn_up.weight (Q8_0)" in lines[0] and "(Q5_K)" in lines[0]
+    assert "blk.0.ffn_up.weight (Q8_0)" in lines[0] and "Q5_K" not in lines[0]
     up_back = np.from_dlpack(converted["h.0.mlp.c_fc.weight"])
     assert up_back.dtype == np.float32 and up_back.shape == up.shape
     np.testing.assert_allclose(up_back, up, atol=0.01 * np.abs(up).max())
     packed = converted["h.0.mlp.c_proj.weight"]
     assert packed.quantization_encoding == QuantizationEncoding.Q4_K
     assert [int(d) for d in packed.shape] == [256, 1024 // 256 * 144]
+    qkv = converted["h.0.attn.c_attn.weight"]  # Q5_K: the package's kernel decodes it
+    assert qkv.quantization_encoding == QuantizationEncoding.Q5_K
+    np.testing.assert_array_equal(
+        np.asarray(qkv.data), tensors["blk.0.attn_qkv.weight"][0]
+    )
     assert converted["wte.weight"].quantization_encoding is None  # tables load as float32
     assert np.from_dlpack(converted["wte.weight"]).dtype == np.float32
 
