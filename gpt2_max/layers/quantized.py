@@ -35,6 +35,7 @@ from max.graph.weights import WeightData
 from .. import kernels
 from ..shims.internals import quantized_matmul_op, quantized_repack_op
 from ..weights.hugepages import hugepage_array
+from ..weights.plan import PACKED_ENCODINGS
 
 PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
@@ -42,9 +43,7 @@ features); a table with other counts (GPT-2's 50257 tokens) is padded with
 all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
 
 
-MAX_KERNEL_ENCODINGS = frozenset(
-    {QuantizationEncoding.Q4_0, QuantizationEncoding.Q4_K, QuantizationEncoding.Q6_K}
-)
+MAX_KERNEL_ENCODINGS = frozenset(QuantizationEncoding[name.upper()] for name in PACKED_ENCODINGS)
 """Encodings MAX's CPU `qmatmul` multiplies; the rest go through the package's kernel."""
 
 

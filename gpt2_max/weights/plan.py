@@ -1,7 +1,7 @@
 """How the loaded weights are held, read off the state dict the adapter returned.
 
 An adapter decides each tensor's form (`weights/gguf.py`: GGUF blocks stay
-packed where MAX has a kernel, F16 matrices stay float16); the model then
+packed where MAX or the package has a kernel, F16 matrices stay float16); the model then
 builds, for each parameter, a layer that holds it in that form. `WeightPlan`
 is that decision as the model sees it, so nothing past `weights/` needs to
 know which file format it came from.
@@ -20,7 +20,7 @@ PACKED_ENCODINGS = frozenset({"q4_0", "q4_k", "q6_k"})
 """The architecture's quantization encodings: GGUF block encodings MAX's
 `--quantization-encoding` names and has CPU kernels (`qmatmul`) for."""
 
-KEPT_PACKED = frozenset({"q4_0", "q4_k", "q5_k", "q6_k"})
+KEPT_PACKED = PACKED_ENCODINGS | {"q5_k"}
 """Block types whose matmul weights stay packed: those the package's kernel decodes
 (`kernels.PACKED_TYPES`, not imported here: serving loads no kernel before a graph
 is built) that MAX's GGUF reader and `QuantizationEncoding` name (Q8_0 has no
