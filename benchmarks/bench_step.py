@@ -16,6 +16,16 @@ what MAX's pipeline calls per step:
   pipeline, other   the rest of `pipeline.execute` (Python around the above)
   outside execute   `GenerateIterator` and `Generator` (detokenize, stop scan)
 
+With `--serve`, the same file is also served by `max serve` (as `bench_serve.py` runs it)
+and one streamed request (same prompt, greedy) is timed token by token; the CPU
+time each process of the server takes over the decode is read with psutil, so
+the table shows what serving adds to the in-process step and what the API
+process takes from the cores the worker's threads use.
+
+MAX's sampler graph is also timed alone (`sampler alone`: MAX's `token_sampler`
+for one row of the vocabulary, nothing of this package in it), the smallest
+reproduction of that part of the step.
+
 The model graph is then split by microbenchmarks of partial graphs on the same
 weights: every projection of the model chained at one row (the matmuls, with
 the bytes they stream and the GB/s that makes), MAX's LayerNorm / GELU /
@@ -29,7 +39,9 @@ record nothing for CPU kernels, hence partial graphs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,12 +50,16 @@ from typing import Any
 
 import llama_cpp_tools
 import numpy as np
-from bench_serve import CHECKPOINTS, THREADS, cpu_model, gguf_file
+import psutil
+from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve, stream_one
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
 from max.graph.weights import GGUFWeights
+from max.pipelines.lib import SamplingConfig
+from max.pipelines.sampling.sampling import token_sampler
+from openai import AsyncOpenAI
 
 from gpt2_max import kernels
 from gpt2_max.generate import Generator
@@ -124,6 +140,55 @@ def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
     table["outside execute"] = table["step"] - table["pipeline.execute"]
     table["tok/s (wall, prefill included)"] = new_tokens / wall
     return table
+
+
+def serve_accounting(path: Path, new_tokens: int) -> dict[str, float]:
+    """Milliseconds per decode token of one streamed request through `max serve`, and
+    the CPU milliseconds per token each server process spent meanwhile."""
+    with tempfile.TemporaryDirectory() as scratch, serve(
+        path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log"
+    ) as server:
+        root = psutil.Process(server.pid)
+        processes = [root, *root.children(recursive=True)]
+
+        async def one() -> dict:
+            async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-") as api:
+                return await stream_one(api, PROMPT, new_tokens)
+
+        asyncio.run(one())  # warm-up
+        before = {p.pid: sum(p.cpu_times()[:2]) for p in processes}
+        result = asyncio.run(one())
+        spent = {p.pid: sum(p.cpu_times()[:2]) - before[p.pid] for p in processes}
+    arrivals = result["arrivals"]
+    decode_s = arrivals[-1] - arrivals[0]
+    steps = len(arrivals) - 1
+    # The worker is the process that ran the graphs: by far the most CPU.
+    worker = max(spent, key=spent.get)
+    table = {
+        "token": decode_s / steps * 1e3,
+        "worker CPU": spent[worker] / steps * 1e3,
+        "API process CPU": spent[root.pid] / steps * 1e3,
+        "other processes CPU": sum(v for k, v in spent.items() if k not in (worker, root.pid))
+        / steps * 1e3,
+    }
+    # Seconds of CPU over the decode's wall time: what the server keeps busy of THREADS cores.
+    table["cores busy"] = sum(spent.values()) / decode_s
+    return table
+
+
+def sampler_alone(vocab_size: int, repeat: int, previous: int = 100) -> float:
+    """Median milliseconds of one execute of MAX's own sampler graph at one row, with
+    `previous` tokens generated before (greedy: top-k 1, every other setting neutral)."""
+    sampler = token_sampler(SamplingConfig(), DeviceRef.CPU())
+    model = InferenceSession(devices=[CPU()]).load(sampler)
+    logits, prev_tokens, *settings = (v.type for v in sampler.inputs)
+    inputs = [
+        np.random.default_rng(0).standard_normal((1, vocab_size), np.float32),
+        np.zeros((1, previous), np.int64),
+        *(np.ones([1 if str(d) == "batch" else d for d in t.shape], t.dtype.to_numpy())
+          for t in settings),
+    ]
+    return time_execute(model, [Buffer.from_numpy(a) for a in inputs], repeat)
 
 
 # ---- partial graphs -------------------------------------------------------------
@@ -244,6 +309,7 @@ def graph_split(path: Path, repeat: int) -> dict[str, float]:
     return {
         "projections (graph)": matmuls, "weight MB": nbytes / 1e6,
         "GB/s": nbytes / matmuls / 1e6, "small ops (graph)": small, "one-op graph": empty,
+        "sampler alone": sampler_alone(config.vocab_size, repeat),
     }
 
 
@@ -255,6 +321,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--llama-bench", action="store_true",
                         help="also run llama.cpp's llama-bench (tg128) on each file")
+    parser.add_argument("--serve", action="store_true",
+                        help="also time one streamed request through `max serve`")
     args = parser.parse_args()
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
@@ -279,12 +347,20 @@ def main() -> None:
         for name in ("sampler graph", "prepare_batch", "kv_manager.step", "pipeline, other",
                      "outside execute"):
             print(f"  {name:<34} {steps[name]:8.3f}")
+        print(f"    {'MAX sampler graph alone, 1 row':<32} {split['sampler alone']:8.3f}")
         print(f"  step streams {split['weight MB'] / steps['step']:.1f} GB/s of weights")
         if args.llama_bench:
             tg = llama_cpp_tools.llama_bench(path, THREADS, prompt=0)["tg128"]
             print(f"  llama-bench tg128: {tg:.1f} tok/s, {1e3 / tg:.2f} ms per token, "
                   f"{split['weight MB'] * tg / 1e3:.1f} GB/s; gpt2-max step / llama.cpp "
                   f"{steps['step'] * tg / 1e3:.2f}")
+        if args.serve:
+            served = serve_accounting(path, args.new_tokens)
+            print(f"  through max serve: {served['token']:.2f} ms per token "
+                  f"({served['token'] - steps['step']:+.2f} over the in-process step); "
+                  f"CPU ms per token: worker {served['worker CPU']:.2f}, API process "
+                  f"{served['API process CPU']:.2f}, other {served['other processes CPU']:.2f}; "
+                  f"{served['cores busy']:.2f} of {THREADS} cores busy")
 
 
 if __name__ == "__main__":
