@@ -94,8 +94,11 @@ class GrammarMask:
         self._mask = np.empty((self.vocab_size + 31) // 32, dtype=np.int32)
 
     @classmethod
-    def new(cls, tokenizer: LLTokenizer, grammar: str) -> GrammarMask:
-        return cls(LLMatcher(tokenizer, grammar, log_level=0), tokenizer.vocab_size)
+    def attach(cls, tokenizer: LLTokenizer, grammar: str, context: TextContext) -> GrammarMask:
+        """A fresh matcher for `grammar`, run as the context's logits processor."""
+        mask = cls(LLMatcher(tokenizer, grammar, log_level=0), tokenizer.vocab_size)
+        context.sampling_params.logits_processors = [mask]
+        return mask
 
     def __call__(self, inputs: ProcessorInputs) -> None:
         """Sets every token the grammar forbids to -inf before MAX samples."""
