@@ -1,7 +1,8 @@
 """Grammar-constrained decoding on the CPU with llguidance.
 
-MAX 26.7 refuses `enable_structured_output` on the CPU, so constraints are
-applied here instead, through MAX's own hooks: the grammar's token mask is a
+MAX's own structured output (xgrammar, `xgrammar_mask.py`) takes JSON schemas
+only and runs one token a step, so the default engine is llguidance, applied
+here through MAX's own hooks: the grammar's token mask is a
 per-context logits processor, which MAX runs on the logits before its sampler
 draws, and the tokens the grammar forces are appended to the context so the
 next step runs them together with the sampled token, like a small prefill.
