@@ -566,7 +566,12 @@ def main() -> None:
         "load_avg": os.getloadavg(),
     }
     print_report(result)
-    out = RESULTS / f"bench-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    save_result(f"bench-{args.preset}", result, scratch)
+
+
+def save_result(stem: str, result: dict, scratch: Path) -> None:
+    """`result` as JSON in `RESULTS`, named by `stem` and the time; says where the logs are."""
+    out = RESULTS / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}; server logs in {scratch}")
 

@@ -6,7 +6,9 @@ weights, so only the grammar makes its output parse: every answer (greedy,
 streamed, seeded) is parsed and validated with `jsonschema`. Greedy answers
 are also transformers' greedy under the server's own grammar (MAX's xgrammar
 bitmask), token for token, and the `Generator` asked for that engine gives the
-server's tokens, greedy and seeded.
+server's tokens, greedy and seeded. `json_object` is held to the same: greedy
+is transformers' greedy under the grammar MAX compiles for it, and every
+answer is JSON (or, cut by `max_tokens`, the start of JSON).
 """
 
 from __future__ import annotations
@@ -25,68 +27,16 @@ from transformers import AutoTokenizer
 from gpt2_max.generate import Generator
 from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
 from gpt2_max.generate.xgrammar_mask import compile_json_schema
+from gpt2_max.shims.internals import openai_response_format
 from gpt2_max.testing.load import expected_tokens, plan_requests, run_load
 from gpt2_max.testing.reference import TINY, hf_xgrammar_greedy, server_grammar_backend
-from gpt2_max.testing.schemas import UNBOUNDED_NUMBERS, UNBOUNDED_NUMBERS_LONGEST
+from gpt2_max.testing.schemas import SCHEMAS, UNBOUNDED_NUMBERS, UNBOUNDED_NUMBERS_LONGEST
 from gpt2_max.tokenizer import TOKENIZER_DIR
 
-SHORT = {"type": "string", "maxLength": 8}
-POINT = {
-    "type": "object",
-    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                   "y": {"type": "integer", "minimum": -9, "maximum": 9}},
-    "required": ["x", "y"],
-    "additionalProperties": False,
-}
-SCHEMAS = {
-    "nested-optional": {
-        "type": "object",
-        "properties": {
-            "name": SHORT,
-            "address": {
-                "type": "object",
-                "properties": {"city": SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"],
-                "additionalProperties": False,
-            },
-            "nickname": SHORT,
-        },
-        "required": ["name", "address"],
-        "additionalProperties": False,
-    },
-    "array-min-max": {"type": "array", "items": SHORT, "minItems": 2, "maxItems": 4},
-    "enum": {"enum": ["red", "grün", "blue", 3, None]},
-    "any-of": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, SHORT,
-                         {"type": "boolean"}]},
-    "defs-ref": {
-        "$defs": {"point": POINT},
-        "type": "object",
-        "properties": {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}},
-        "required": ["from", "to"],
-        "additionalProperties": False,
-    },
-    "patterns": {
-        "type": "object",
-        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-                       "day": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}},
-        "required": ["code", "day"],
-        "additionalProperties": False,
-    },
-    "prefix-items": {"type": "array", "prefixItems": [SHORT, {"type": "boolean"}],
-                     "minItems": 2, "maxItems": 2},
-    "const-nullable": {
-        "type": "object",
-        "properties": {"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 1,
-                                                        "maximum": 9},
-                       "label": {"type": ["string", "null"], "maxLength": 5}},
-        "required": ["kind", "r", "label"],
-        "additionalProperties": False,
-    },
-    "numbers": UNBOUNDED_NUMBERS,
-}
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 MAX_TOKENS = 256
-SEEDS = range(3)
+SEEDS = range(1, 4)
+"""Not 0: MAX's chat route reads `seed=0` as no seed (`seed or randint(...)`)."""
 TOKEN_IDS = {"return_token_ids": True}
 
 
@@ -184,12 +134,127 @@ def hf_xgrammar_allows(schema: dict, tokens: list[int]) -> list[bool]:
 def test_generator_with_the_servers_engine_gives_the_servers_tokens(
     generator, greedy, sampled, name
 ) -> None:
-    """Same schema and prompt, greedy: the same tokens from both front doors."""
+    """Same schema, prompt and seed: the same tokens from both front doors, greedy
+    and sampled (the `Generator` runs MAX's bitmask sampler, as the server does)."""
     prompt = greedy[name].choices[0].model_extra["prompt_token_ids"]
     options = dict(json_schema=SCHEMAS[name], grammar_engine="xgrammar")
     result = generator.generate(prompt, MAX_TOKENS, temperature=0.0, **options)
     assert result.token_ids == token_ids(greedy[name])
     assert result.forced_tokens == 0
+    for seed, response in zip(SEEDS, sampled[name], strict=True):
+        result = generator.generate(prompt, MAX_TOKENS, temperature=1.0, seed=seed, **options)
+        assert result.token_ids == token_ids(response), seed
+        assert result.text == response.choices[0].message.content
+
+
+JSON_OBJECT = {"type": "json_object"}
+
+
+def json_prefix(text: str) -> bool:
+    """Whether `text` is the start of some JSON document.
+
+    Independent of both grammar engines: `text` is a prefix if one of a few
+    short fillers (closing a string, a key, a literal, a number, an escape)
+    and then the brackets still open make it parse.
+    """
+    for filler in JSON_FILLERS:
+        candidate = text + filler
+        opened: list[str] = []
+        in_string = escaped = False
+        for char in candidate:
+            if in_string:
+                escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+            elif char == '"':
+                in_string = True
+            elif char in "[{":
+                opened.append("]" if char == "[" else "}")
+            elif char in "]}" and opened:
+                opened.pop()
+        try:
+            json.loads(candidate + "".join(reversed(opened)))
+        except json.JSONDecodeError:
+            continue
+        return True
+    return False
+
+
+JSON_FILLERS = ["", '"', "0", '":0', ":0", '"k":0', "n", 'n"', "0000", '0000"', "000", '000"',
+                "00", '00"', '0"', "rue", "ue", "e", "alse", "lse", "se", "ull", "ll", "l"]
+
+
+def assert_json_object(text: str, finish_reason: str) -> None:
+    """A whole JSON object when the grammar ended it, its start when `max_tokens` did."""
+    assert text.startswith("{"), text
+    if finish_reason == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:
+        assert finish_reason == "length" and json_prefix(text), (finish_reason, text)
+
+
+def test_json_prefix_tells_starts_of_json_from_other_text() -> None:
+    for text in ['{"a":[1,-', '{"a', '{"a":"b\\', '{"a":"\\u00', '{"a":tr', '{"a":1.', '[{},',
+                 '{"a":{"b":null},"c']:
+        assert json_prefix(text), text
+    for text in ['{"a"}', '{"a":1}}', "{,", '{"a":tx', '[1,]', '{"a":01']:
+        assert not json_prefix(text), text
+
+
+@pytest.fixture(scope="module")
+def json_object_greedy(served):
+    return served.client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
+        response_format=JSON_OBJECT, extra_body=TOKEN_IDS,
+    )
+
+
+def test_json_object_greedy_equals_transformers_under_maxs_object_grammar(
+    served, json_object_greedy
+) -> None:
+    """MAX compiles `json_object` as its permissive object schema with xgrammar; greedy
+    under that grammar's bitmask, streamed too, and JSON (or its start) each time."""
+    choice = json_object_greedy.choices[0]
+    schema = openai_response_format(JSON_OBJECT).json_schema
+    assert schema == {"type": "object"}
+    prompt = choice.model_extra["prompt_token_ids"]
+    expected = hf_xgrammar_greedy(served.reference.model, prompt, schema, MAX_TOKENS)
+    assert token_ids(json_object_greedy) == expected
+    assert_json_object(choice.message.content, choice.finish_reason)
+    stream = served.client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
+        response_format=JSON_OBJECT, stream=True,
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].finish_reason == choice.finish_reason
+
+
+def test_json_object_from_the_generator(served, generator, json_object_greedy) -> None:
+    """`json_object=True`: the server's tokens with its engine, greedy and seeded;
+    JSON (or its start) with llguidance too."""
+    prompt = json_object_greedy.choices[0].model_extra["prompt_token_ids"]
+    result = generator.generate(
+        prompt, MAX_TOKENS, temperature=0.0, json_object=True, grammar_engine="xgrammar"
+    )
+    assert result.token_ids == token_ids(json_object_greedy)
+    for seed in SEEDS:
+        response = served.client.chat.completions.create(
+            model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0,
+            seed=seed, response_format=JSON_OBJECT, extra_body=TOKEN_IDS,
+        )
+        result = generator.generate(prompt, MAX_TOKENS, temperature=1.0, seed=seed,
+                                    json_object=True, grammar_engine="xgrammar")
+        assert result.token_ids == token_ids(response), seed
+        choice = response.choices[0]
+        assert_json_object(choice.message.content, choice.finish_reason)
+    for seed in SEEDS:
+        result = generator.generate(prompt, 64, temperature=1.0, seed=seed, json_object=True)
+        assert_json_object(result.text, result.finish_reason)
+    # `json_schema={}` is a constraint too (any JSON value), as MAX reads it.
+    anything = generator.generate(prompt, 64, json_schema={}, grammar_engine="xgrammar")
+    if anything.finish_reason == "stop":
+        json.loads(anything.text)
+    else:
+        assert anything.text and json_prefix(anything.text), anything.text
 
 
 CYCLE = {
@@ -267,3 +332,20 @@ def test_generator_sampled_numbers_close_within_the_rules_bound(generator, engin
             assert result.finish_reason == "stop", result
             assert len(result.token_ids) <= UNBOUNDED_NUMBERS_LONGEST + 1
             jsonschema.validate(json.loads(result.text), UNBOUNDED_NUMBERS)
+
+
+def test_completions_refuse_response_format_in_maxs_request_schema(served) -> None:
+    """Not served, and said so: MAX's `/v1/completions` request model is OpenAI's
+    completion params (no `response_format`) with `extra="forbid"`, so the field is
+    answered 400 by pydantic before any step; the server keeps serving."""
+    body = {"model": served.model, "prompt": [464, 2068], "max_tokens": 4,
+            "response_format": {"type": "json_object"}}
+    response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "response_format" in response.text and "Extra inputs are not permitted" in response.text
+    prompt = [464, 2068, 7586, 21831]
+    after = served.client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=6, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert token_ids(after) == served.reference.greedy(prompt, 6)

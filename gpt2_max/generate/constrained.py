@@ -1,7 +1,8 @@
 """Grammar-constrained decoding on the CPU with llguidance.
 
-MAX 26.7 refuses `enable_structured_output` on the CPU, so constraints are
-applied here instead, through MAX's own hooks: the grammar's token mask is a
+MAX's own structured output (xgrammar, `xgrammar_mask.py`) takes JSON schemas
+only and runs one token a step, so the default engine is llguidance, applied
+here through MAX's own hooks: the grammar's token mask is a
 per-context logits processor, which MAX runs on the logits before its sampler
 draws, and the tokens the grammar forces are appended to the context so the
 next step runs them together with the sampled token, like a small prefill.
@@ -94,8 +95,11 @@ class GrammarMask:
         self._mask = np.empty((self.vocab_size + 31) // 32, dtype=np.int32)
 
     @classmethod
-    def new(cls, tokenizer: LLTokenizer, grammar: str) -> GrammarMask:
-        return cls(LLMatcher(tokenizer, grammar, log_level=0), tokenizer.vocab_size)
+    def attach(cls, tokenizer: LLTokenizer, grammar: str, context: TextContext) -> GrammarMask:
+        """A fresh matcher for `grammar`, run as the context's logits processor."""
+        mask = cls(LLMatcher(tokenizer, grammar, log_level=0), tokenizer.vocab_size)
+        context.sampling_params.logits_processors = [mask]
+        return mask
 
     def __call__(self, inputs: ProcessorInputs) -> None:
         """Sets every token the grammar forbids to -inf before MAX samples."""

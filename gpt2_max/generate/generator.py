@@ -26,6 +26,7 @@ from typing import Any
 from llguidance import LLTokenizer
 from max.pipelines import AutoModel
 
+from .. import arch  # noqa: F401  (installs the shims before AutoModel builds its config)
 from ..shims.internals import ROW_SEED_STRIDE
 from .requests import Options, Requests
 from .results import Completion
@@ -49,6 +50,10 @@ class Generator:
             split into groups of this size.
         **config_overrides: Further `AutoModel` settings, such as
             `kv_cache_page_size` (the granularity at which prefixes are shared).
+            `enable_structured_output` is on unless overridden: it builds MAX's
+            bitmask sampler, which `grammar_engine="xgrammar"` requests run
+            through as they do under `max serve --enable-structured-output`
+            (the package's shim lifts MAX's CPU refusal for this architecture).
     """
 
     def __init__(
@@ -64,12 +69,14 @@ class Generator:
             devices=device,
             max_batch_size=max_batch_size,
             custom_architectures=[__name__.partition(".")[0]],
-            **{"enable_prefix_caching": True, **config_overrides},
+            **{"enable_prefix_caching": True, "enable_structured_output": True,
+               **config_overrides},
         )
         self._pipeline = StepRecorder(self._model.pipeline)
         self._requests = Requests(
             self._model.pipeline.tokenizer,
             self._model.pipeline_config.model.sampling_params_defaults,
+            structured_output=self._model.pipeline_config.sampling.enable_structured_output,
         )
         self.max_batch_size = max_batch_size
         self.window = self._requests.window

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from llguidance import LLTokenizer
 from max.pipelines.context import SamplingParams, SamplingParamsInput, TextContext
 from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
-from ..shims.internals import xgrammar_backend
+from ..shims.internals import openai_response_format, xgrammar_backend
 from ..stop import StopScanner
 from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenizer
 from .detokenize import IncrementalText
@@ -34,12 +35,14 @@ class Options:
     `max serve` does. `stop` strings cut the text before the first one (the
     rule in `gpt2_max.stop`); `stop_token_ids` end a row like EOS. `logprobs=k`
     reports each sampled token's log-probability and its k most likely
-    alternatives. At most one of `json_schema`, `regex` and `grammar` (Lark)
-    constrains the output. `grammar_engine` picks who enforces it: "llguidance"
-    (the default: canonical tokens, forced ones fast-forwarded) or "xgrammar"
-    (`json_schema` only: the engine and the one-token-a-step policy of `max
-    serve --enable-structured-output`, so the same schema, prompt and seed give
-    the server's tokens).
+    alternatives. At most one of `json_schema`, `json_object` (any JSON object:
+    OpenAI's `response_format={"type": "json_object"}`, as MAX's server reads
+    it), `regex` and `grammar` (Lark) constrains the output. `grammar_engine`
+    picks who enforces it: "llguidance" (the default: canonical tokens, forced
+    ones fast-forwarded) or "xgrammar" (`json_schema` and `json_object` only:
+    MAX's own structured-output path as `max serve
+    --enable-structured-output` runs it, so the same schema, prompt and seed
+    give the server's tokens, greedy or sampled).
     """
 
     temperature: float = 0.0
@@ -51,6 +54,7 @@ class Options:
     ignore_eos: bool = False
     logprobs: int = 0
     json_schema: str | dict[str, Any] | None = None
+    json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
     grammar_engine: str = "llguidance"
@@ -69,18 +73,36 @@ class Options:
 
     @property
     def constraint(self) -> tuple[str, Any] | None:
-        given = [(kind, getattr(self, kind)) for kind in GRAMMARS if getattr(self, kind)]
+        """The constraint's kind (a key of `GRAMMARS`) and source, if any."""
+        kinds = ["json_object", *GRAMMARS]
+        # Not truthiness: `json_schema={}` is a constraint (any JSON value), as under MAX.
+        given = [kind for kind in kinds if getattr(self, kind) not in (None, False)]
         if len(given) > 1:
-            raise ValueError(f"give at most one of {list(GRAMMARS)}, not {[k for k, _ in given]}")
-        return given[0] if given else None
+            raise ValueError(f"give at most one of {kinds}, not {given}")
+        if not given:
+            return None
+        if given == ["json_object"]:
+            return "json_schema", openai_response_format(self.response_format).json_schema
+        return given[0], getattr(self, given[0])
+
+    @property
+    def response_format(self) -> dict[str, Any]:
+        """The OpenAI `response_format` a client would send for a JSON constraint."""
+        if self.json_object:
+            return {"type": "json_object"}
+        schema = self.json_schema
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        return {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
 
 
 class Requests:
     """Builds the rows of requests through a pipeline's own tokenizer."""
 
-    def __init__(self, tokenizer: Any, sampling_defaults: Any) -> None:
+    def __init__(self, tokenizer: Any, sampling_defaults: Any, structured_output: bool) -> None:
         self._tokenizer = tokenizer
         self._sampling_defaults = sampling_defaults
+        self._structured_output = structured_output
+        """Whether the pipeline was built with MAX's structured output (its bitmask sampler)."""
         self.window = int(tokenizer.max_length)
         self.tokenizer = tokenizer.delegate
         """The Hugging Face tokenizer requests are encoded with."""
@@ -109,9 +131,7 @@ class Requests:
         )
         rows = []
         for context in contexts:
-            mask = new_mask() if new_mask else None
-            if mask:
-                context.sampling_params.logits_processors = [mask]
+            mask = new_mask(context) if new_mask else None
             rows.append(
                 Row(
                     context=context,
@@ -135,24 +155,32 @@ class Requests:
         """The server's grammar backend, built on the first request that asks for it."""
         return xgrammar_backend(self._tokenizer)
 
-    def _mask_factory(self, options: Options) -> Callable[[], Mask] | None:
-        """Compiles the request's constraint once; the factory gives each row its own state."""
+    def _mask_factory(self, options: Options) -> Callable[[TextContext], Mask] | None:
+        """Compiles the request's constraint once; the factory attaches a fresh state
+        to each row's context."""
         if (constraint := options.constraint) is None:
             return None
         kind, source = constraint
         if options.grammar_engine == "xgrammar":
             if kind != "json_schema":
-                raise ValueError(f"grammar_engine 'xgrammar' serves json_schema only, not {kind}.")
-            compiled = compile_json_schema(self.xgrammar_backend, source)
-            vocab_size = len(self.tokenizer)
-            return lambda: XgrammarMask.new(self.xgrammar_backend, compiled, vocab_size)
+                raise ValueError(
+                    "grammar_engine 'xgrammar' serves json_schema and json_object only, "
+                    f"not {kind}."
+                )
+            if not self._structured_output:
+                raise ValueError(
+                    "grammar_engine 'xgrammar' runs MAX's structured output; this Generator "
+                    "was built with enable_structured_output=False."
+                )
+            compile_json_schema(self.xgrammar_backend, source)  # fails here, before any step
+            return lambda context: XgrammarMask.attach(self.xgrammar_backend, context)
         if options.grammar_engine != "llguidance":
             raise ValueError(
                 "grammar_engine must be 'llguidance' or 'xgrammar', "
                 f"not {options.grammar_engine!r}."
             )
         grammar = compile_constraint(self.grammar_tokenizer, kind, source)
-        return lambda: GrammarMask.new(self.grammar_tokenizer, grammar)
+        return lambda context: GrammarMask.attach(self.grammar_tokenizer, grammar, context)
 
     def contexts(
         self,
@@ -161,16 +189,27 @@ class Requests:
         options: Options,
         seeds: Sequence[int],
     ) -> list[TextContext]:
-        """The contexts `max serve` would build for these requests."""
+        """The contexts `max serve` would build for these requests.
+
+        With the xgrammar engine, each request carries the `response_format` the
+        server's chat route makes, so the tokenizer gives its context the schema
+        MAX's pipeline constrains with.
+        """
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; give at least one token of text.")
+        response_format = (
+            openai_response_format(options.response_format)
+            if options.grammar_engine == "xgrammar" and options.constraint
+            else None
+        )
         requests = [
             TextGenerationRequest(
                 request_id=RequestID(),
                 model_name=__name__.partition(".")[0],
                 prompt=prompt if isinstance(prompt, str) else [int(t) for t in prompt],
                 logprobs=options.logprobs,
+                response_format=response_format,
                 sampling_params=SamplingParams.from_input_and_generation_config(
                     SamplingParamsInput(
                         max_new_tokens=max_new_tokens,

@@ -1,13 +1,21 @@
-"""The server's grammar in-process: MAX's xgrammar backend as a logits processor.
+"""The server's grammar in-process: MAX's own structured-output path, run by the `Generator`.
 
-`max serve --enable-structured-output` compiles a `response_format` schema
-with MAX's xgrammar backend and masks each step's logits with its bitmask,
-one sampled token a step (MAX's serving loop cannot run forced tokens ahead).
-`Options(grammar_engine="xgrammar")` gives the `Generator` the same engine and
-the same policy, so a schema, prompt and seed give the tokens the server
-gives: the schema goes through `json_schemas.prepare` as the server's
-tokenizer sends it, the backend is built by the factory the server calls
-(`shims.internals.xgrammar_backend`), and no token is fast-forwarded.
+`max serve --enable-structured-output` gives a `response_format` request's
+context its schema (`TextContext.json_schema`, prepared by gpt2-max's
+tokenizer), installs a matcher compiled by MAX's xgrammar backend, and then
+MAX's pipeline does the rest each step: it fills the context's row of a token
+bitmask, samples with the bitmask sampler graph (the mask is applied inside
+the sampler, so a seed draws from the same random stream), and advances the
+matcher with the sampled token, one token a step.
+
+`Options(grammar_engine="xgrammar")` takes the same path, not a copy of it:
+the request gets the `response_format` the server's chat route makes
+(`shims.internals.openai_response_format`), the context is built by the same
+tokenizer, the matcher is built by the factory the server calls
+(`shims.internals.xgrammar_backend`) from the context's own schema, and the
+`Generator`'s pipeline is built with `enable_structured_output` so MAX
+compiles and uses the bitmask sampler. So a schema, prompt and seed give the
+server's tokens, greedy or sampled, and no token is fast-forwarded.
 
 xgrammar, unlike llguidance, accepts any tokenization of the allowed text, so
 its greedy path may spell `{"` as `{` then `"`; llguidance's canonical rule
@@ -18,18 +26,12 @@ default (llguidance, with fast-forward tokens) stays what it was.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from max.pipelines.context import ProcessorInputs, TextContext
+from max.pipelines.context import TextContext
 
 from ..json_schemas import prepare
-
-MASKED_LOGIT = -10000.0
-"""What MAX's bitmask sampler writes over a forbidden token's logit
-(`apply_packed_bitmask(..., fill_val=-10000.0)` in `max/pipelines/sampling/sampling.py`):
-the same value here keeps a seeded draw the server's."""
 
 
 def compile_json_schema(backend: Any, schema: str | dict[str, Any]) -> Any:
@@ -48,41 +50,31 @@ def compile_json_schema(backend: Any, schema: str | dict[str, Any]) -> Any:
 
 @dataclass
 class XgrammarMask:
-    """One request's xgrammar state, with `GrammarMask`'s interface and no fast-forward."""
+    """One request's view of the matcher MAX's pipeline steps, with `GrammarMask`'s interface."""
 
-    backend: Any
-    matcher: Any
-    vocab_size: int
+    context: TextContext
     forced: int = 0
     """Always 0: like the server, every token takes a step."""
-    _bitmask: np.ndarray = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._bitmask = self.backend.allocate_token_bitmask(1, self.vocab_size)
 
     @classmethod
-    def new(cls, backend: Any, compiled: Any, vocab_size: int) -> XgrammarMask:
-        return cls(backend, backend.create_matcher(compiled), vocab_size)
+    def attach(cls, backend: Any, context: TextContext) -> XgrammarMask:
+        """Installs a matcher for the context's schema, as the server's grammar gate does.
 
-    def __call__(self, inputs: ProcessorInputs) -> None:
-        """Sets every token the grammar forbids to `MASKED_LOGIT` before MAX samples."""
-        self.backend.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        logits = inputs.logits.to_numpy()
-        allowed = np.zeros(logits.shape[1], dtype=bool)
-        known = min(logits.shape[1], self.vocab_size)
-        allowed[:known] = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[
-            :known
-        ]
-        logits[:, ~allowed] = MASKED_LOGIT
+        The context's `json_schema` is the text the server's worker compiles
+        (already prepared by the tokenizer); `backend` caches the compile that
+        validated it.
+        """
+        context.set_matcher(backend.create_matcher(backend.compile_json_schema(context.json_schema)))
+        return cls(context)
 
     def consume(self, token: int) -> None:
-        if self.matcher.try_consume_tokens([token]) != 1:
-            raise RuntimeError(f"the grammar rejected sampled token {token}")
+        """Nothing: MAX's pipeline advanced the matcher with the sampled token."""
 
     @property
     def finished(self) -> bool:
         """The grammar has taken its end-of-text token."""
-        return self.matcher.is_stopped()
+        matcher = self.context.matcher
+        return matcher is not None and matcher.is_stopped()
 
     def fast_forward(self, context: TextContext) -> list[int]:
         """Nothing: the server runs forced tokens one step each, and so does this mask."""

@@ -9,7 +9,8 @@ and why, so nothing else in the package imports a private MAX name:
   estimator's free-memory query, the quantization-encoding resolver, the GGUF
   reader under `GGUFWeights`, the quantized CPU kernels' op names, the row-seed
   stride of MAX's generate loop, a graph tensor's value, a token buffer's
-  processing window).
+  processing window, the server's grammar backend factory, and the chat
+  route's conversion of an OpenAI `response_format`).
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this

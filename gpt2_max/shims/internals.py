@@ -87,3 +87,16 @@ def xgrammar_backend(tokenizer: Any) -> Any:
         len(tokenizer.delegate),
         stop_token_ids=tokenizer.eos_token_ids,
     )
+
+
+def openai_response_format(response_format: dict[str, Any]) -> Any:
+    """The `TextGenerationResponseFormat` `max serve --enable-structured-output`
+    makes of an OpenAI `response_format` (`json_object` becomes MAX's permissive
+    object schema, `json_schema` its schema), by MAX's own route helper.
+
+    Imported on first use: it lives in MAX's serving router, which the model
+    worker and the in-process `Generator` have no other reason to load.
+    """
+    from max.serve.router.openai_routes import _create_response_format
+
+    return _create_response_format(response_format, enable_response_format_schema=True)

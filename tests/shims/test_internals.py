@@ -111,3 +111,21 @@ def test_the_server_builds_its_grammar_backend_as_xgrammar_backend_does() -> Non
                  "stop_token_ids=tokenizer.eos_token_ids", "any_whitespace=bool(any_whitespace)"):
         assert part in source, part
     assert "xgrammar" in inspect.getsource(internals.xgrammar_backend)
+
+
+def test_openai_response_format_is_the_servers_conversion() -> None:
+    """The chat route turns `response_format` into a request's format with this helper
+    (flag on), so the `Generator` given its result asks what a client asks the server."""
+    from max.serve.router import openai_routes
+
+    assert ("_create_response_format(\n            completion_request.response_format,\n"
+            "            enable_response_format_schema=pipeline_config.sampling."
+            "enable_structured_output,") in inspect.getsource(openai_routes)
+    json_object = internals.openai_response_format({"type": "json_object"})
+    assert (json_object.type, json_object.json_schema) == ("json_schema", {"type": "object"})
+    assert json_object.grammar_enforced and json_object.requires_structured_output_flag
+    schema = {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}
+    named = internals.openai_response_format(
+        {"type": "json_schema", "json_schema": {"name": "flags", "schema": schema}}
+    )
+    assert (named.type, named.json_schema, named.grammar_enforced) == ("json_schema", schema, True)
