@@ -40,7 +40,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -313,6 +316,23 @@ def graph_split(path: Path, repeat: int) -> dict[str, float]:
     }
 
 
+PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, float]]] = {
+    "step": lambda path, args: step_accounting(path, args.new_tokens),
+    "split": lambda path, args: graph_split(path, args.repeat),
+    "serve": lambda path, args: serve_accounting(path, args.new_tokens),
+}
+"""Each measurement runs in a process of its own: a MAX session left from one (its
+thread pool) would share the two cores with the next."""
+
+
+def measure(part: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
+    """`PARTS[part]` on `path`, in a fresh Python process."""
+    command = [sys.executable, __file__, "--part", part, "--path", str(path),
+               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gpt2")
@@ -323,7 +343,12 @@ def main() -> None:
                         help="also run llama.cpp's llama-bench (tg128) on each file")
     parser.add_argument("--serve", action="store_true",
                         help="also time one streamed request through `max serve`")
+    parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.part:
+        print(json.dumps(PARTS[args.part](args.path, args)))
+        return
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
@@ -331,8 +356,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens; ms per decode step (mean)")
     for file_type in args.types.split(","):
         path = gguf_file(checkpoint, file_type)
-        split = graph_split(path, args.repeat)
-        steps = step_accounting(path, args.new_tokens)
+        steps = measure("step", path, args)
+        split = measure("split", path, args)
         model = steps["model graph"]
         rest = model - split["projections (graph)"] - split["small ops (graph)"]
         print(f"\n{file_type} ({path.name}): {steps['step']:.2f} ms per step, "
@@ -355,7 +380,7 @@ def main() -> None:
                   f"{split['weight MB'] * tg / 1e3:.1f} GB/s; gpt2-max step / llama.cpp "
                   f"{steps['step'] * tg / 1e3:.2f}")
         if args.serve:
-            served = serve_accounting(path, args.new_tokens)
+            served = measure("serve", path, args)
             print(f"  through max serve: {served['token']:.2f} ms per token "
                   f"({served['token'] - steps['step']:+.2f} over the in-process step); "
                   f"CPU ms per token: worker {served['worker CPU']:.2f}, API process "
