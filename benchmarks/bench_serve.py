@@ -329,18 +329,29 @@ def print_table(tables: dict[str, dict]) -> None:
 
 TOOL_ROWS = (
     ("a_single_16", "tg128", "llama-bench tg128"),
+    ("a_single_16", "server_a_single_16", "llama-server, 1 request"),
     ("c_concurrent_8x16", "batched_tg", "llama-batched-bench 8 seq, decode"),
+    ("c_concurrent_8x16", "server_c_concurrent_8x16", "llama-server --parallel 8, 8 req."),
     ("d_prefill_900", "pp900", "llama-bench pp900"),
 )
 """(server scenario, llama.cpp tool figure, its label), side by side."""
 
 
-def llama_tools(path: Path, flash_attn: bool) -> dict[str, float]:
-    """llama.cpp's own tools on one file, tokens per second."""
+def llama_tools(path: Path, flash_attn: bool, repetition: int = 0) -> dict[str, float]:
+    """llama.cpp's own tools on one file, tokens per second: llama-bench, batched-bench,
+    and llama-server (8 slots) over HTTP on scenarios a and c's prompts."""
     rows = llama_cpp_tools.llama_bench(path, THREADS, flash_attn=flash_attn)
     batched = llama_cpp_tools.batched_bench(path, THREADS, sequences=8, prompt=16,
                                             generate=NEW_TOKENS, flash_attn=flash_attn)
-    return {**rows, "batched_tg": batched["tg"]}
+    prompts = scenarios(quick=True, repetition=repetition)
+    served = {}
+    with llama_cpp_tools.server(path, THREADS, parallel=8, ctx_per_slot=256) as url:
+        llama_cpp_tools.server_run(url, prompts["a_single_16"], 8)  # warm-up
+        for name in ("a_single_16", "c_concurrent_8x16"):
+            results = llama_cpp_tools.server_run(url, prompts[name], NEW_TOKENS)
+            served[f"server_{name}"] = (
+                NEW_TOKENS * len(results) / max(r["wall"] for r in results))
+    return {**rows, "batched_tg": batched["tg"], **served}
 
 
 def print_tool_rows(result: dict) -> None:

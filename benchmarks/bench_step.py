@@ -16,6 +16,16 @@ what MAX's pipeline calls per step:
   pipeline, other   the rest of `pipeline.execute` (Python around the above)
   outside execute   `GenerateIterator` and `Generator` (detokenize, stop scan)
 
+With `--serve`, the same file is also served by `max serve` (as `bench_serve.py` runs it)
+and one streamed request (same prompt, greedy) is timed token by token; the CPU
+time each process of the server takes over the decode is read with psutil, so
+the table shows what serving adds to the in-process step and what the API
+process takes from the cores the worker's threads use.
+
+MAX's sampler graph is also timed alone (`sampler alone`: MAX's `token_sampler`
+for one row of the vocabulary, nothing of this package in it), the smallest
+reproduction of that part of the step.
+
 The model graph is then split by microbenchmarks of partial graphs on the same
 weights: every projection of the model chained at one row (the matmuls, with
 the bytes they stream and the GB/s that makes), MAX's LayerNorm / GELU /
@@ -29,7 +39,12 @@ record nothing for CPU kernels, hence partial graphs.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,12 +53,16 @@ from typing import Any
 
 import llama_cpp_tools
 import numpy as np
-from bench_serve import CHECKPOINTS, THREADS, cpu_model, gguf_file
+import psutil
+from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve, stream_one
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
 from max.graph.weights import GGUFWeights
+from max.pipelines.lib import SamplingConfig
+from max.pipelines.sampling.sampling import token_sampler
+from openai import AsyncOpenAI
 
 from gpt2_max import kernels
 from gpt2_max.generate import Generator
@@ -124,6 +143,55 @@ def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
     table["outside execute"] = table["step"] - table["pipeline.execute"]
     table["tok/s (wall, prefill included)"] = new_tokens / wall
     return table
+
+
+def serve_accounting(path: Path, new_tokens: int) -> dict[str, float]:
+    """Milliseconds per decode token of one streamed request through `max serve`, and
+    the CPU milliseconds per token each server process spent meanwhile."""
+    with tempfile.TemporaryDirectory() as scratch, serve(
+        path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log"
+    ) as server:
+        root = psutil.Process(server.pid)
+        processes = [root, *root.children(recursive=True)]
+
+        async def one() -> dict:
+            async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-") as api:
+                return await stream_one(api, PROMPT, new_tokens)
+
+        asyncio.run(one())  # warm-up
+        before = {p.pid: sum(p.cpu_times()[:2]) for p in processes}
+        result = asyncio.run(one())
+        spent = {p.pid: sum(p.cpu_times()[:2]) - before[p.pid] for p in processes}
+    arrivals = result["arrivals"]
+    decode_s = arrivals[-1] - arrivals[0]
+    steps = len(arrivals) - 1
+    # The worker is the process that ran the graphs: by far the most CPU.
+    worker = max(spent, key=spent.get)
+    table = {
+        "token": decode_s / steps * 1e3,
+        "worker CPU": spent[worker] / steps * 1e3,
+        "API process CPU": spent[root.pid] / steps * 1e3,
+        "other processes CPU": sum(v for k, v in spent.items() if k not in (worker, root.pid))
+        / steps * 1e3,
+    }
+    # Seconds of CPU over the decode's wall time: what the server keeps busy of THREADS cores.
+    table["cores busy"] = sum(spent.values()) / decode_s
+    return table
+
+
+def sampler_alone(vocab_size: int, repeat: int, previous: int = 100) -> float:
+    """Median milliseconds of one execute of MAX's own sampler graph at one row, with
+    `previous` tokens generated before (greedy: top-k 1, every other setting neutral)."""
+    sampler = token_sampler(SamplingConfig(), DeviceRef.CPU())
+    model = InferenceSession(devices=[CPU()]).load(sampler)
+    logits, prev_tokens, *settings = (v.type for v in sampler.inputs)
+    inputs = [
+        np.random.default_rng(0).standard_normal((1, vocab_size), np.float32),
+        np.zeros((1, previous), np.int64),
+        *(np.ones([1 if str(d) == "batch" else d for d in t.shape], t.dtype.to_numpy())
+          for t in settings),
+    ]
+    return time_execute(model, [Buffer.from_numpy(a) for a in inputs], repeat)
 
 
 # ---- partial graphs -------------------------------------------------------------
@@ -244,7 +312,25 @@ def graph_split(path: Path, repeat: int) -> dict[str, float]:
     return {
         "projections (graph)": matmuls, "weight MB": nbytes / 1e6,
         "GB/s": nbytes / matmuls / 1e6, "small ops (graph)": small, "one-op graph": empty,
+        "sampler alone": sampler_alone(config.vocab_size, repeat),
     }
+
+
+PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, float]]] = {
+    "step": lambda path, args: step_accounting(path, args.new_tokens),
+    "split": lambda path, args: graph_split(path, args.repeat),
+    "serve": lambda path, args: serve_accounting(path, args.new_tokens),
+}
+"""Each measurement runs in a process of its own: a MAX session left from one (its
+thread pool) would share the two cores with the next."""
+
+
+def measure(part: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
+    """`PARTS[part]` on `path`, in a fresh Python process."""
+    command = [sys.executable, __file__, "--part", part, "--path", str(path),
+               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -255,7 +341,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--llama-bench", action="store_true",
                         help="also run llama.cpp's llama-bench (tg128) on each file")
+    parser.add_argument("--serve", action="store_true",
+                        help="also time one streamed request through `max serve`")
+    parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.part:
+        print(json.dumps(PARTS[args.part](args.path, args)))
+        return
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
@@ -263,8 +356,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens; ms per decode step (mean)")
     for file_type in args.types.split(","):
         path = gguf_file(checkpoint, file_type)
-        split = graph_split(path, args.repeat)
-        steps = step_accounting(path, args.new_tokens)
+        steps = measure("step", path, args)
+        split = measure("split", path, args)
         model = steps["model graph"]
         rest = model - split["projections (graph)"] - split["small ops (graph)"]
         print(f"\n{file_type} ({path.name}): {steps['step']:.2f} ms per step, "
@@ -279,12 +372,20 @@ def main() -> None:
         for name in ("sampler graph", "prepare_batch", "kv_manager.step", "pipeline, other",
                      "outside execute"):
             print(f"  {name:<34} {steps[name]:8.3f}")
+        print(f"    {'MAX sampler graph alone, 1 row':<32} {split['sampler alone']:8.3f}")
         print(f"  step streams {split['weight MB'] / steps['step']:.1f} GB/s of weights")
         if args.llama_bench:
             tg = llama_cpp_tools.llama_bench(path, THREADS, prompt=0)["tg128"]
             print(f"  llama-bench tg128: {tg:.1f} tok/s, {1e3 / tg:.2f} ms per token, "
                   f"{split['weight MB'] * tg / 1e3:.1f} GB/s; gpt2-max step / llama.cpp "
                   f"{steps['step'] * tg / 1e3:.2f}")
+        if args.serve:
+            served = measure("serve", path, args)
+            print(f"  through max serve: {served['token']:.2f} ms per token "
+                  f"({served['token'] - steps['step']:+.2f} over the in-process step); "
+                  f"CPU ms per token: worker {served['worker CPU']:.2f}, API process "
+                  f"{served['API process CPU']:.2f}, other {served['other processes CPU']:.2f}; "
+                  f"{served['cores busy']:.2f} of {THREADS} cores busy")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""llama.cpp's own benchmark tools as a peer: `llama-bench` (tg128, pp900) and
-`llama-batched-bench` on the same GGUF files as the other rows.
+"""llama.cpp's own benchmark tools as a peer: `llama-bench` (tg128, pp900),
+`llama-batched-bench`, and `llama-server` over HTTP (what a user would put beside
+`max serve`), on the same GGUF files as the other rows.
 
 The binaries come from `build_llama_cpp.sh` (llama.cpp as vendored in the
 llama-cpp-python sdist the ctypes peer runs, built for this CPU); `binaries()`
@@ -9,9 +10,17 @@ for, as in the ctypes peer. A benchmark-only extra, never in the test install.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_cpp.sh")
 
@@ -56,3 +65,68 @@ def batched_bench(
     )
     (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {"tg": float(row["speed_tg"]), "total": float(row["speed"])}
+
+
+@contextmanager
+def server(model: Path, threads: int, *, parallel: int, ctx_per_slot: int) -> Iterator[str]:
+    """`llama-server` on `model` with `parallel` slots, flash attention off as in the
+    other rows; yields its base URL once it answers `/health`."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            [str(binaries() / "llama-server"), "-m", str(model), "-t", str(threads),
+             "-tb", str(threads), "--parallel", str(parallel),
+             "-c", str(parallel * ctx_per_slot), "-fa", "off", "--host", "127.0.0.1",
+             "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if process.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"llama-server exited:\n{log.read()[-3000:].decode()}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("llama-server did not start")
+                time.sleep(0.5)
+            yield url
+        finally:
+            process.terminate()
+            process.wait()
+
+
+async def _stream(client: httpx.AsyncClient, url: str, tokens: list[int], n: int) -> dict:
+    """One streamed greedy completion of `n` tokens from token ids; arrival times."""
+    body = {"prompt": tokens, "n_predict": n, "stream": True, "top_k": 1, "temperature": 0,
+            "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    out: list[int] = []
+    async with client.stream("POST", f"{url}/completion", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            new = json.loads(line[6:]).get("tokens") or []
+            out += new
+            arrivals += [time.perf_counter() - start] * len(new)
+    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
+
+
+def server_run(url: str, prompts: list[list[int]], n: int) -> list[dict]:
+    """`prompts` sent at once to `llama-server`, each streamed; per request its tokens,
+    token arrival times and wall time (as `bench_serve.run_max` gives them for MAX)."""
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(timeout=None) as client:
+            return list(await asyncio.gather(*(_stream(client, url, p, n) for p in prompts)))
+
+    return asyncio.run(run())
