@@ -287,7 +287,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, bo
     assert 400 <= response.status_code < 500, response.text
     assert message in response.text
     prompt = random_prompt(12, seed=99)
-    after = client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY)
+    after = client(server).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY
+    )
     assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
 
 

@@ -25,7 +25,8 @@ def through_cut(pieces: list[str], stops: list[str]) -> tuple[str, GenerationSta
 
     async def run():
         source = chunks_of(pieces, GenerationStatus.MAXIMUM_LENGTH, read)
-        return [c async for c in cut_at_stops(source, StopScanner(stops), lambda: cancelled.append(1))]
+        cut = cut_at_stops(source, StopScanner(stops), lambda: cancelled.append(1))
+        return [c async for c in cut]
 
     out = asyncio.run(run())
     return "".join(c.decoded_tokens or "" for c in out), out[-1].status, len(read), len(cancelled)
