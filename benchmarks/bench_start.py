@@ -1,11 +1,15 @@
 """Where a `max serve` start spends its time, for gpt2_max and for MAX's own floor.
 
     python benchmarks/bench_start.py                     # every subject, cold then warm
-    python benchmarks/bench_start.py --subjects tiny --modes warm
+    python benchmarks/bench_start.py --subjects tiny --modes warm --cache DIR
 
 Each subject is started cold (an empty MAX cache in a temporary `MODULAR_CACHE_DIR`,
 so every graph compiles from nothing) and then warm (the same cache, now filled),
-and answers one completion. The wall time from launch to that first completion is
+and answers one completion. With `--cache DIR` every start uses `DIR` instead (one
+folder per subject inside it, kept): warm starts alone, without paying a cold one
+first, once an earlier run has filled it with the same code's graphs.
+
+The wall time from launch to that first completion is
 split into phases by the timestamps of the server's own log lines:
 
   api          launch until MAX starts the model worker (the API process: imports,
@@ -171,12 +175,15 @@ def main() -> None:
     parser.add_argument("--subjects", default=",".join(SUBJECTS))
     parser.add_argument("--modes", default="cold,warm", help="cold, warm or both, in that order")
     parser.add_argument("--label", default="", help="a name for this run in the JSON file")
+    parser.add_argument(
+        "--cache", type=Path, help="keep MAX's caches in this folder (default: a temporary one)"
+    )
     args = parser.parse_args()
     cpu = cpu_model()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-start-") as scratch:
         for subject in args.subjects.split(","):
-            cache = Path(scratch) / f"cache-{subject}"
+            cache = (args.cache or Path(scratch)) / f"cache-{subject}"
             for mode in args.modes.split(","):
                 log = Path(scratch) / f"{subject}-{mode}.log"
                 try:

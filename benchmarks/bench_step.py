@@ -244,16 +244,16 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
             b = next(inputs) if has_bias else None
             if encoding is not None and not has_max_kernel(encoding):
                 name_ = encoding.name.lower()
-                y = (kernels.packed_linear(name_)(x, w, b) if b is not None
-                     else kernels.packed_matmul(name_)(x, w))
+                y = (kernels.packed_linear(name_, x, w, b) if b is not None
+                     else kernels.packed_matmul(name_, x, w))
             elif encoding is not None:
-                y = _matmul(encoding)(x, w)
+                y = _matmul(encoding, x, w)
                 if b is not None:
                     y = y[:, : b.shape[0]] + b
             elif b is not None:
-                y = kernels.skinny_linear()(x, w, b)
+                y = kernels.skinny_linear(x, w, b)
             else:
-                y = kernels.skinny_matmul()(x, w)
+                y = kernels.skinny_matmul(x, w)
             x = y if name == head or name.endswith("mlp.c_fc") else y[:, : config.n_embd]
         graph.output(x)
     return graph, arrays, nbytes

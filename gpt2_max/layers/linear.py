@@ -57,8 +57,8 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def skinny_of(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`x @ weight.T (+ bias)` through the skinny kernel."""
     if bias is None:
-        return kernels.skinny_matmul()(x, weight)
-    return kernels.skinny_linear()(x, weight, bias)
+        return kernels.skinny_matmul(x, weight)
+    return kernels.skinny_linear(x, weight, bias)
 
 
 class SkinnyLinear(Linear):

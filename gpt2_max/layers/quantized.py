@@ -18,14 +18,13 @@ the graph calls MAX's matmul kernel on the result.
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import numpy as np
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.experimental import custom
+from max.experimental import functional as F
 from max.experimental.nn import Module
 from max.experimental.tensor import Tensor
 from max.graph import DeviceRef, Graph, Shape, TensorType, ops
@@ -86,26 +85,19 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
         if not has_max_kernel(self.encoding):
             name = self.encoding.name.lower()
             if isinstance(self.bias, int):
-                return kernels.packed_matmul(name)(x, self.weight)
-            return kernels.packed_linear(name)(x, self.weight, self.bias)
-        y = _matmul(self.encoding)(x, self.weight)
+                return kernels.packed_matmul(name, x, self.weight)
+            return kernels.packed_linear(name, x, self.weight, self.bias)
+        y = _matmul(self.encoding, x, self.weight)
         if padded_rows(self.out_dim) != self.out_dim:
             y = y[:, : self.out_dim]
         return y + self.bias
 
 
-_m, _k, _n, _b = custom.Symbols("m", "k", "n", "b")
-_PACKED = custom.TemplateType(DType.uint8, [_n, _b])
-
-
-@functools.cache
-def _matmul(encoding: QuantizationEncoding) -> custom.CustomOp:
-    """MAX's kernel for `x @ W.T`, `W` repacked (`repack`)."""
-    return custom.declare(
-        quantized_matmul_op(encoding),
-        inputs={"x": custom.TemplateType(DType.float32, [_m, _k]), "w": _PACKED},
-        outputs=[custom.TemplateType(DType.float32, [_m, _n])],
-    )
+def _matmul(encoding: QuantizationEncoding, x: Tensor, w: Tensor) -> Tensor:
+    """MAX's kernel for `x @ W.T`, `W` repacked (`repack`); staged with `F.custom`
+    for the reason `kernels` gives."""
+    out = TensorType(DType.float32, [x.shape[0], w.shape[0]], DeviceRef.from_device(x.device))
+    return F.custom(quantized_matmul_op(encoding), x.device, [x, w], [out])[0]
 
 
 def _repack_graph(encoding: QuantizationEncoding) -> Graph:

@@ -32,6 +32,10 @@ STARTUP_TIMEOUT_S = 900
 STOP_TIMEOUT_S = 30
 """How long the group gets to exit after SIGTERM before it is killed."""
 
+READY_POLL_S = 0.1
+"""How often a starting server is asked whether it answers: `max_serve` yields within
+this of the server being ready (the start profile times starts to the first answer)."""
+
 REFUSAL_TIMEOUT_S = 300
 """A start that must be refused stops before any graph compile; a hang fails."""
 
@@ -198,7 +202,7 @@ def max_serve(
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+            time.sleep(READY_POLL_S)
         yield Server(url=url, pid=process.pid, log=log)
     finally:
         stop_process_group(process)

@@ -48,9 +48,9 @@ def ops(encoding: str):
     w = TensorType(DType.uint8, ["n", "row_bytes"], cpu)
     b = TensorType(DType.float32, ["n"], cpu)
     with Graph(f"packed_linear_{encoding}", input_types=[x, w, b]) as linear:
-        linear.output(kernels.packed_linear(encoding)(*(v.tensor for v in linear.inputs)))
+        linear.output(kernels.packed_linear(encoding, *(v.tensor for v in linear.inputs)))
     with Graph(f"packed_matmul_{encoding}", input_types=[x, w]) as matmul:
-        matmul.output(kernels.packed_matmul(encoding)(*(v.tensor for v in matmul.inputs)))
+        matmul.output(kernels.packed_matmul(encoding, *(v.tensor for v in matmul.inputs)))
     session = InferenceSession(devices=[CPU()])
     return session.load(linear), session.load(matmul)
 

@@ -28,9 +28,9 @@ def ops(request):
     w = TensorType(request.param, ["n", "k"], cpu)
     b = TensorType(DType.float32, ["n"], cpu)
     with Graph("skinny_linear", input_types=[x, w, b]) as linear:
-        linear.output(kernels.skinny_linear()(*(v.tensor for v in linear.inputs)))
+        linear.output(kernels.skinny_linear(*(v.tensor for v in linear.inputs)))
     with Graph("skinny_matmul", input_types=[x, w]) as matmul:
-        matmul.output(kernels.skinny_matmul()(*(v.tensor for v in matmul.inputs)))
+        matmul.output(kernels.skinny_matmul(*(v.tensor for v in matmul.inputs)))
     session = InferenceSession(devices=[CPU()])
     return WEIGHT_DTYPES[request.param], session.load(linear), session.load(matmul)
 
