@@ -16,8 +16,9 @@ token, so the client receives every token (streamed too).
 The rule is xgrammar's own bitmask: a token is forced when it is the only one
 the matcher allows. The bitmask sampler would pick exactly that token, so a
 greedy answer keeps its tokens; only the number of steps drops. Contexts that
-ask for log-probabilities are left alone (a forced token has none), and a
-chunked step (no token appended) forces nothing.
+ask for log-probabilities are left alone (a forced token has none), a
+chunked step (no token appended) forces nothing, and the end-of-text token is
+not forced before `min_tokens` (MAX masks it until then).
 
 Off unless `GPT2_MAX_FAST_FORWARD=1` is set in the server's environment:
 `gpt2_max.arch` then registers `FastForwardContext` as the context type.
@@ -76,6 +77,9 @@ class FastForwardContext(TextContext):
         while (not self.is_done and self.matcher is not None and self.grammar_enforced
                and self.vocab_size is not None
                and (next_token := only_allowed_token(self.matcher, self.vocab_size)) is not None):
+            if (next_token in self.eos_tracker.eos_token_ids
+                    and self.tokens.generated_length < self.min_tokens):
+                break  # MAX masks end-of-text until `min_tokens`: its loop decides
             super().advance_token_buffer(next_token)
             super().advance_fsm(next_token)
             forced += 1

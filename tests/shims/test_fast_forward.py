@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from max.pipelines.context import GenerationStatus, TextContext, TokenBuffer
+from max.pipelines.context import GenerationStatus, SamplingParams, TextContext, TokenBuffer
 from max.pipelines.lib.pipeline_variants.utils import update_context_and_prepare_responses
 from max.pipelines.modeling.types import msgpack_numpy_decoder, msgpack_numpy_encoder
 from transformers import AutoTokenizer
@@ -89,6 +89,14 @@ def test_max_tokens_stops_the_fast_forward(backend) -> None:
     step(ctx, quote)
     assert step(ctx, ok) == [ok, quote]
     assert ctx.status == GenerationStatus.MAXIMUM_LENGTH
+
+
+def test_end_of_text_is_not_forced_before_min_tokens(backend) -> None:
+    quote, ok = TOKENIZER.encode('"ok"')[:2]
+    ctx = context(backend, sampling_params=SamplingParams(min_new_tokens=4))
+    step(ctx, quote)
+    assert step(ctx, ok) == [ok, quote]
+    assert not ctx.is_done
 
 
 def test_log_probability_requests_are_not_fast_forwarded(backend) -> None:
