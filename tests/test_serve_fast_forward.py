@@ -126,3 +126,18 @@ def test_free_requests_batched_with_fast_forwarded_ones_stay_exact(fast, answers
     assert report.completed == expected_tokens(fast.reference.model, free, TINY["n_positions"])
     for name, reply in replies.items():
         assert token_ids(reply) == token_ids(answers[name]["slow"][0])
+
+
+SEEDS = range(1, 4)
+"""Not 0: MAX's chat route reads `seed=0` as no seed."""
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS)[:5])
+def test_seeded_draws_are_the_default_servers(fast, slow, name) -> None:
+    """MAX keys a row's draw by its seed plus the context's length
+    (`max/pipelines/sampling/seeds.py:45`), and a forced token is the only one
+    a draw could give, so a seed draws the same tokens with fewer steps."""
+    for seed in SEEDS:
+        draws = [token_ids(chat(served, name, temperature=1.0, seed=seed))
+                 for served in (slow, fast)]
+        assert draws[0] == draws[1]
