@@ -47,9 +47,9 @@ def slow(gpt2_max_structured_server) -> ServedGPT2:
 def chat(served: ServedGPT2, name: str, **options):
     schema = {"name": name.replace("-", "_"), "schema": SCHEMAS[name]}
     return served.client.chat.completions.create(
-        model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
+        model=served.model, messages=MESSAGES, max_tokens=MAX_TOKENS,
         response_format={"type": "json_schema", "json_schema": schema},
-        extra_body={"return_token_ids": True}, **options,
+        extra_body={"return_token_ids": True}, **{"temperature": 0.0, **options},
     )
 
 
