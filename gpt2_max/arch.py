@@ -13,6 +13,7 @@ from .batch_processor import GPT2BatchProcessor
 from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
 from .model_config import GPT2ArchConfig
+from .shims import fast_forward
 from .tokenizer import GPT2TextTokenizer
 from .weights import gguf, safetensors
 
@@ -31,7 +32,7 @@ gpt2_arch = SupportedArchitecture(
     supported_encodings=GPT2ArchConfig.SUPPORTED_ENCODINGS,
     pipeline_model=GPT2PipelineModel,
     tokenizer=GPT2TextTokenizer,
-    context_type=TextContext,
+    context_type=fast_forward.FastForwardContext if fast_forward.enabled() else TextContext,
     default_weights_format=WeightsFormat.safetensors,
     weight_adapters={
         WeightsFormat.safetensors: safetensors.convert_safetensor_state_dict,

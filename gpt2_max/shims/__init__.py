@@ -15,6 +15,9 @@ and why, so nothing else in the package imports a private MAX name:
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
   package's pipelines, which MAX 26.7 refuses for every model on the CPU.
+- `fast_forward`: opt-in fast-forward tokens under `max serve`
+  (`GPT2_MAX_FAST_FORWARD=1`), a `TextContext` subclass registered as the
+  architecture's context type.
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,

@@ -56,6 +56,8 @@ class ServedGPT2:
     """The served checkpoint's folder."""
     log: Path
     """The server's output."""
+    metrics_url: str = ""
+    """Its Prometheus endpoint (MAX's serving metrics)."""
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +93,7 @@ def _served(
                 reference=reference,
                 checkpoint=checkpoint,
                 log=log,
+                metrics_url=server.metrics_url,
             )
 
 

@@ -154,11 +154,30 @@ class Server:
     """Its stdout and stderr."""
     model: str = MODEL_NAME
     """The name requests give in `model`."""
+    metrics_url: str = ""
+    """Its Prometheus endpoint, `http://127.0.0.1:PORT/metrics`."""
 
     def kv_cache_bytes(self) -> float:
         """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""
         value, unit = re.findall(r"cache_memory: ([\d.]+) (\w+)", self.log.read_text())[-1]
         return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+
+
+def steps_run(metrics_url: str) -> int:
+    """The steps (batches) a server has run: MAX's `maxserve.batch_size` histogram
+    count on its metrics endpoint, read once it stops changing (the worker
+    reports through MAX's telemetry process, a moment after each step)."""
+    def read() -> int:
+        text = httpx.get(metrics_url, timeout=5).text
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("maxserve_batch_size_count")))
+
+    last = read()
+    while True:
+        time.sleep(1.0)
+        if (now := read()) == last:
+            return now
+        last = now
 
 
 @contextmanager
@@ -173,8 +192,8 @@ def max_serve(
 
     `args` are further `max serve` flags; the server's output goes to `log`.
     """
-    port = free_port()
-    env = child_env(MAX_SERVE_METRICS_ENDPOINT_PORT=str(free_port()), **(env or {}))
+    port, metrics_port = free_port(), free_port()
+    env = child_env(MAX_SERVE_METRICS_ENDPOINT_PORT=str(metrics_port), **(env or {}))
     command = serve_command(
         model,
         "--served-model-name", MODEL_NAME,
@@ -203,6 +222,7 @@ def max_serve(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
             time.sleep(READY_POLL_S)
-        yield Server(url=url, pid=process.pid, log=log)
+        yield Server(url=url, pid=process.pid, log=log,
+                     metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         stop_process_group(process)

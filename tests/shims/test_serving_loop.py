@@ -1,15 +1,16 @@
-"""Why `max serve` runs no fast-forward tokens: MAX 26.7's loop, pinned in its smallest form.
+"""Why fast-forward tokens under `max serve` go through `advance_fsm`, not a later hook.
 
 The in-process `Generator` appends the tokens a grammar forces to a context
 between steps, so the next step runs them with the sampled token. Under `max
-serve` the plugin's per-step hooks come too late for that (README, "Known
-limitations"): the scheduler claims KV pages for the length a context has when
-it is scheduled, the pipeline then builds the step's KV inputs and grammar
-bitmask before the architecture's batch processor sees the contexts, and after
-the step exactly one sampled token is appended to each.
+serve` the architecture's batch processor comes too late for that: the
+scheduler claims KV pages for the length a context has when it is scheduled,
+the pipeline then builds the step's KV inputs and grammar bitmask before the
+batch processor sees the contexts, and after the step exactly one sampled
+token is appended to each. So `shims.fast_forward` appends forced tokens in
+the context's own `advance_fsm`, which MAX calls after the step and before the
+next allocation (`tests/shims/test_fast_forward.py`).
 Each test pins one of those facts with MAX's own objects (no graph is
-compiled); one that fails means MAX changed, and serving may then take
-fast-forward tokens.
+compiled); one that fails means MAX changed, and a simpler hook may then do.
 """
 
 from __future__ import annotations
