@@ -325,14 +325,14 @@ def _group_scale[fmt: Int, g: Int](dsc: FV) -> FV:
 
 
 struct _XPrep:
-    """x[M, K] as bfloat16 halves hi and lo ([M, K] each) and its sums per 32
-    ([M, K / 32], float32)."""
+    """x[M, K] as bfloat16 halves hi and lo ([M, K] each, in natural order or, for Q4_K,
+    in `_q4k_x_index` order) and its sums per 32 ([M, K / 32], float32)."""
 
     var hi: BPtr
     var lo: BPtr
     var sums: F32Ptr
 
-    def __init__(out self, x: F32Ptr, M: Int, K: Int, sums: Bool):
+    def __init__(out self, x: F32Ptr, M: Int, K: Int, sums: Bool, q4k_order: Bool):
         self.hi = alloc[BFloat16](M * K, alignment=64)
         self.lo = alloc[BFloat16](M * K, alignment=64)
         self.sums = alloc[Float32](M * (K // 32) if sums else 1, alignment=64)
@@ -341,6 +341,19 @@ struct _XPrep:
             var h = v.cast[DType.bfloat16]()
             self.hi.unsafe_store(16 * i, h)
             self.lo.unsafe_store(16 * i, (v - h.cast[DType.float32]()).cast[DType.bfloat16]())
+        if q4k_order:
+            # hi and lo were written in natural order; gather them into the kernel's.
+            var h = alloc[BFloat16](M * K, alignment=64)
+            var l = alloc[BFloat16](M * K, alignment=64)
+            for r in range(M * K // 256):
+                for i in range(256):
+                    var src = 256 * r + _q4k_x_index(i)
+                    h.unsafe_store(256 * r + i, self.hi.unsafe_load(src))
+                    l.unsafe_store(256 * r + i, self.lo.unsafe_load(src))
+            self.hi.free()
+            self.lo.free()
+            self.hi = h
+            self.lo = l
         if sums:
             for i in range(M * K // 32):
                 var s = x.unsafe_load[width=16](32 * i) + x.unsafe_load[width=16](32 * i + 16)
@@ -350,6 +363,76 @@ struct _XPrep:
         self.hi.free()
         self.lo.free()
         self.sums.free()
+
+
+@always_inline
+def _q4k_x_index(i: Int) -> Int:
+    """Where element i of a Q4_K block's x sits in natural order, i = 128 h + 32 v + j:
+    `_tile_q4k`'s word lane j of lookup v over 64-byte half h (see there)."""
+    var h = i // 128
+    var v = (i // 32) % 4
+    var j = i % 32
+    var sub = 4 * h + (v % 2) + (2 if j >= 16 else 0)
+    return 32 * sub + 2 * (j % 16) + v // 2
+
+
+@always_inline
+def _tile_q4k[mt: Int](
+    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
+):
+    """`_tile_bf16` for Q4_K, with the nibbles looked up straight from the block's bytes.
+
+    A 64-byte half h of the quants, read as 32 words, indexes a 32-entry table of
+    bfloat16 (q & 15) - 8 four ways: by each word's bits 0-4, 4-8, 8-12 and 12-16 (the
+    table ignores bit 4), giving the low and high nibbles of its even and odd bytes with
+    one shift and one vpermw per 32 weights, no masks and no widening. Word j < 16 is
+    in sub-block 4h (4h + 1 for high nibbles), j >= 16 in 4h + 2 (4h + 3), so the
+    dot products' lanes 0-7 and 8-15 take two sub-blocks' scales; x is stored in the
+    same order (`_q4k_x_index`).
+    """
+    comptime BS = block_bytes[Q4_K]()
+    var lo = SIMD[DType.float32, 32](0)
+    comptime for q in range(32):
+        lo[q] = Float32((q % 16) - 8)
+    var lut = bitcast[DType.int16, 32](lo.cast[DType.bfloat16]())
+    var acc = Array[FV, mt * 2](fill=0)
+    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
+    var row = w + n * (K // 256) * BS
+    for blk in range(K // 256):
+        var bp = row + blk * BS
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 4 * BS)
+        var sc = _scales[Q4_K](bp)
+        comptime for i in range(mt):
+            var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
+            corr[i] = fma(sc[1].slice[8](), xs, corr[i])
+        comptime for h in range(2):
+            var words = (bp + 16 + 64 * h).unsafe_bitcast[Int16]().unsafe_load[width=32](0)
+            comptime for p in range(2):
+                # p = 0: low nibbles (sub-blocks 4h, 4h + 2), p = 1: high (4h + 1, 4h + 3).
+                comptime a = 4 * h + p
+                comptime c = a + 2
+                var gs = sc[0].shuffle[a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c]()
+                var even = bitcast[DType.bfloat16, 32](
+                    llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut, words >> Int16(4 * p))
+                )
+                var odd = bitcast[DType.bfloat16, 32](
+                    llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](
+                        lut, (words.cast[DType.uint16]() >> UInt16(8 + 4 * p)).cast[DType.int16]()
+                    )
+                )
+                comptime for i in range(mt):
+                    var o = (m0 + i) * K + blk * 256 + 128 * h + 32 * p
+                    var s = _dot(FV(0), even, xp.hi.unsafe_load[width=32](o))
+                    s = _dot(s, even, xp.lo.unsafe_load[width=32](o))
+                    s = _dot(s, odd, xp.hi.unsafe_load[width=32](o + 64))
+                    s = _dot(s, odd, xp.lo.unsafe_load[width=32](o + 64))
+                    acc[2 * i + p] = fma(s, gs, acc[2 * i + p])
+    comptime for i in range(mt):
+        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
+        if has_bias:
+            s += b.unsafe_load(n)
+        y.unsafe_store((m0 + i) * N + n, s)
 
 
 @always_inline
@@ -392,18 +475,24 @@ def _row_bf16[fmt: Int](
 ):
     var m0 = 0
     while m0 + MT <= M:
-        _tile_bf16[fmt, MT](xp, w, b, y, K, N, m0, n, has_bias)
+        comptime if fmt == Q4_K:
+            _tile_q4k[MT](xp, w, b, y, K, N, m0, n, has_bias)
+        else:
+            _tile_bf16[fmt, MT](xp, w, b, y, K, N, m0, n, has_bias)
         m0 += MT
     comptime for rest in range(1, MT):
         if M - m0 == rest:
-            _tile_bf16[fmt, rest](xp, w, b, y, K, N, m0, n, has_bias)
+            comptime if fmt == Q4_K:
+                _tile_q4k[rest](xp, w, b, y, K, N, m0, n, has_bias)
+            else:
+                _tile_bf16[fmt, rest](xp, w, b, y, K, N, m0, n, has_bias)
 
 
 def _packed_decode_bf16[fmt: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    var xp = _XPrep(x, M, K, sums=fmt != Q6_K)
+    var xp = _XPrep(x, M, K, sums=fmt != Q6_K, q4k_order=fmt == Q4_K)
 
     def task(t: Int) {imm xp, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
         var first = t * N // ntasks
