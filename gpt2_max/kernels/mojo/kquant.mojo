@@ -326,7 +326,7 @@ def _group_scale[fmt: Int, g: Int](dsc: FV) -> FV:
 
 struct _XPrep:
     """x[M, K] as bfloat16 halves hi and lo ([M, K] each, in natural order or, for Q4_K,
-    in `_q4k_x_index` order) and its sums per 32 ([M, K / 32], float32)."""
+    in `_tile_q4k`'s order) and its sums per 32 ([M, K / 32], float32)."""
 
     var hi: BPtr
     var lo: BPtr
@@ -336,44 +336,34 @@ struct _XPrep:
         self.hi = alloc[BFloat16](M * K, alignment=64)
         self.lo = alloc[BFloat16](M * K, alignment=64)
         self.sums = alloc[Float32](M * (K // 32) if sums else 1, alignment=64)
-        for i in range(M * K // 16):
-            var v = x.unsafe_load[width=16](16 * i)
-            var h = v.cast[DType.bfloat16]()
-            self.hi.unsafe_store(16 * i, h)
-            self.lo.unsafe_store(16 * i, (v - h.cast[DType.float32]()).cast[DType.bfloat16]())
         if q4k_order:
-            # hi and lo were written in natural order; gather them into the kernel's.
-            var h = alloc[BFloat16](M * K, alignment=64)
-            var l = alloc[BFloat16](M * K, alignment=64)
+            # Element 128 h + 32 v + j of a block: sub-block 4h + v % 2 (+ 2 for j >= 16),
+            # its even (v < 2) or odd weights: each sub-block's evens and odds go to two
+            # halves of lookup rows (see `_tile_q4k`).
             for r in range(M * K // 256):
-                for i in range(256):
-                    var src = 256 * r + _q4k_x_index(i)
-                    h.unsafe_store(256 * r + i, self.hi.unsafe_load(src))
-                    l.unsafe_store(256 * r + i, self.lo.unsafe_load(src))
-            self.hi.free()
-            self.lo.free()
-            self.hi = h
-            self.lo = l
+                comptime for sb in range(8):
+                    var eo = x.unsafe_load[width=32](256 * r + 32 * sb).deinterleave()
+                    comptime base = 128 * (sb // 4) + 32 * (sb % 2) + 16 * ((sb % 4) // 2)
+                    self._store(256 * r + base, eo[0])
+                    self._store(256 * r + base + 64, eo[1])
+        else:
+            for i in range(M * K // 16):
+                self._store(16 * i, x.unsafe_load[width=16](16 * i))
         if sums:
             for i in range(M * K // 32):
                 var s = x.unsafe_load[width=16](32 * i) + x.unsafe_load[width=16](32 * i + 16)
                 self.sums.unsafe_store(i, s.reduce_add())
 
+    @always_inline
+    def _store(self, i: Int, v: SIMD[DType.float32, 16]):
+        var h = v.cast[DType.bfloat16]()
+        self.hi.unsafe_store(i, h)
+        self.lo.unsafe_store(i, (v - h.cast[DType.float32]()).cast[DType.bfloat16]())
+
     def free(self):
         self.hi.free()
         self.lo.free()
         self.sums.free()
-
-
-@always_inline
-def _q4k_x_index(i: Int) -> Int:
-    """Where element i of a Q4_K block's x sits in natural order, i = 128 h + 32 v + j:
-    `_tile_q4k`'s word lane j of lookup v over 64-byte half h (see there)."""
-    var h = i // 128
-    var v = (i // 32) % 4
-    var j = i % 32
-    var sub = 4 * h + (v % 2) + (2 if j >= 16 else 0)
-    return 32 * sub + 2 * (j % 16) + v // 2
 
 
 @always_inline
@@ -389,7 +379,7 @@ def _tile_q4k[mt: Int](
     one shift and one vpermw per 32 weights, no masks and no widening. Word j < 16 is
     in sub-block 4h (4h + 1 for high nibbles), j >= 16 in 4h + 2 (4h + 3), so the
     dot products' lanes 0-7 and 8-15 take two sub-blocks' scales; x is stored in the
-    same order (`_q4k_x_index`).
+    same order (`_XPrep`).
     """
     comptime BS = block_bytes[Q4_K]()
     var lo = SIMD[DType.float32, 32](0)
