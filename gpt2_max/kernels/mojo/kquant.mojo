@@ -391,7 +391,7 @@ def _tile_q4k[mt: Int](
     var row = w + n * (K // 256) * BS
     for blk in range(K // 256):
         var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 4 * BS)
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
         var sc = _scales[Q4_K](bp)
         comptime for i in range(mt):
             var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
@@ -438,7 +438,7 @@ def _tile_bf16[fmt: Int, mt: Int](
     var row = w + n * (K // 256) * BS
     for blk in range(K // 256):
         var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 4 * BS)
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
         var sc = _scales[fmt](bp)
         comptime if fmt != Q6_K:
             comptime for i in range(mt):
