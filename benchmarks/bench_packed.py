@@ -94,7 +94,8 @@ def main() -> None:
             rounds[key].append(statistics.median(times))
     print(f"CPU: {cpu_model()}; one row through {args.layers} x ({D} -> {FF} -> {D}); "
           "ms per chain, GB/s of weights")
-    print(f"{'type':6} {'kernel':8} {'MB':>6} {'median ms':>10} {'GB/s':>6} {'best ms':>8} {'GB/s':>6}")
+    print(f"{'type':6} {'kernel':8} {'MB':>6} {'median ms':>10} {'GB/s':>6} "
+          f"{'best ms':>8} {'GB/s':>6}")
     for (encoding, name), times in rounds.items():
         nbytes = runs[encoding, name][2]
         med, best = statistics.median(times), min(times)
