@@ -19,7 +19,9 @@ Formats (`fmt`, the GGML type id): Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_
 """
 
 from std.math import fma
-from std.sys.intrinsics import PrefetchOptions, prefetch
+from std.memory import bitcast
+from std.sys import CompilationTarget
+from std.sys.intrinsics import PrefetchOptions, llvm_intrinsic, prefetch
 
 from max.algorithm import sync_parallelize
 
@@ -39,6 +41,14 @@ comptime DECODE_ROWS = 16
 beyond it (a prefill), once per band into a float32 buffer."""
 comptime BAND = 16
 """Prefill: weight rows decoded together (BAND * K floats, in L2)."""
+
+comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
+"""Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
+Lake): K-quant decode steps then multiply in bfloat16 pairs (`_tile_bf16`), else by
+widening every weight to float32 (`_tile`)."""
+comptime BV = SIMD[DType.bfloat16, 32]
+comptime WV = SIMD[DType.int16, 32]
+comptime BPtr = UnsafePointer[BFloat16, MutUntrackedOrigin]
 
 comptime Q4_0 = 2
 comptime Q8_0 = 8
@@ -205,12 +215,294 @@ def _decode_rows[fmt: Int](w: U8Ptr, K: Int, n0: Int, rows: Int, dst: F32Ptr):
                 o.unsafe_store(V, ws[1])
 
 
+# ---- decode steps through bfloat16 dot products (K-quants) ---------------------------
+#
+# x is split once per call into two bfloat16 halves, hi = bf16(x) and lo = bf16(x - hi),
+# together x to about 2^-17 relative (`_XPrep`). A weight's quant q becomes the bfloat16
+# q - c exactly by a table lookup (`_weights`, c the middle of q's range), and each
+# product of it with hi or lo is exact in the float32 dot product. Per sub-block
+#     sum_i x_i (d sc q_i - dmin m) = d sc * sum_i x_i (q_i - c) - (dmin m - c d sc) * sum_i x_i
+# so the inner loop is: quants -> bfloat16 (a widen and a lookup per 32 weights), two dot
+# products per input row, one scale FMA per sub-block; the second term (absent in Q6_K,
+# whose values are d sc (q - 32)) is one FMA per block over sums of x shared by every row.
+
+
+@always_inline
+def _center[fmt: Int]() -> Int:
+    """The middle of the quants' range: 8 (Q4_K), 16 (Q5_K), 32 (Q6_K)."""
+    return 8 if fmt == Q4_K else (16 if fmt == Q5_K else 32)
+
+
+@always_inline
+def _dot(acc: FV, w: BV, x: BV) -> FV:
+    """acc[l] += w[2l] x[2l] + w[2l+1] x[2l+1] (vdpbf16ps)."""
+    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", FV](acc, w, x)
+
+
+@always_inline
+def _lut[fmt: Int]() -> Tuple[WV, WV]:
+    """The bfloat16 bits of q - c for q in 0..31 and 32..63."""
+    var lo = SIMD[DType.float32, 32](0)
+    var hi = SIMD[DType.float32, 32](0)
+    comptime for q in range(32):
+        lo[q] = Float32(q - _center[fmt]())
+        hi[q] = Float32(q + 32 - _center[fmt]())
+    return (
+        bitcast[DType.int16, 32](lo.cast[DType.bfloat16]()),
+        bitcast[DType.int16, 32](hi.cast[DType.bfloat16]()),
+    )
+
+
+@always_inline
+def _quants[fmt: Int, g: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
+    """The unsigned quants of weights 32g .. 32g+31 of a K-block (see `_decode`)."""
+    comptime if fmt == Q4_K or fmt == Q5_K:
+        comptime qoff = 16 if fmt == Q4_K else 48
+        var q = (blk + qoff + 32 * (g // 2)).unsafe_load[width=32](0)
+        comptime if g % 2 == 0:
+            q = q & 0xF
+        else:
+            q = q >> 4
+        comptime if fmt == Q5_K:
+            var h = (blk + 16).unsafe_load[width=32](0)
+            q = q | (((h >> UInt8(g)) & 1) << 4)
+        return q
+    else:
+        comptime h = g // 4
+        comptime s = g % 4
+        var ql = (blk + 64 * h + 32 * (s % 2)).unsafe_load[width=32](0)
+        var qh = (blk + 128 + 32 * h).unsafe_load[width=32](0)
+        return ((ql >> UInt8(4 * (s // 2))) & 0xF) | (((qh >> UInt8(2 * s)) & 3) << 4)
+
+
+@always_inline
+def _weights[fmt: Int, g: Int](blk: U8Ptr, lut: Tuple[WV, WV]) -> BV:
+    """Weights 32g .. 32g+31 of a K-block as the bfloat16s q - c (vpermw / vpermi2w)."""
+    var idx = _quants[fmt, g](blk).cast[DType.int16]()
+    comptime if fmt == Q6_K:
+        return bitcast[DType.bfloat16, 32](
+            llvm_intrinsic["llvm.x86.avx512.vpermi2var.hi.512", WV](lut[0], idx, lut[1])
+        )
+    else:
+        return bitcast[DType.bfloat16, 32](
+            llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut[0], idx)
+        )
+
+
+@always_inline
+def _scales[fmt: Int](blk: U8Ptr) -> Tuple[FV, FV]:
+    """Per sub-block of a K-block: (d sc, dmin m - c d sc: the coefficient of the
+    sub-block's sum of x, to subtract; Q6_K has none), Q4_K's and Q5_K's 8 sub-blocks
+    in the first 8 lanes, Q6_K's 16."""
+    comptime if fmt == Q4_K or fmt == Q5_K:
+        # The 12 bytes as vectors (see `_scale_min_k4`): sub-blocks 0-3 hold their low 6
+        # bits in bytes 0-3 (scales) and 4-7 (mins); 4-7 hold nibbles of bytes 8-11 and
+        # take their top 2 bits from the top bits of bytes 0-7.
+        var q = (blk + 4).unsafe_load[width=16](0)
+        var a = q.slice[4, offset=0]()
+        var m = q.slice[4, offset=4]()
+        var c = q.slice[4, offset=8]()
+        var sc = (a & 63).join((c & 0xF) | ((a >> 6) << 4)).cast[DType.float32]()
+        var mn = (m & 63).join((c >> 4) | ((m >> 6) << 4)).cast[DType.float32]()
+        var dsc = sc * _half(blk)
+        var corr = mn * _half(blk + 2) - Float32(_center[fmt]()) * dsc
+        return (dsc.join(SIMD[DType.float32, 8](0)), corr.join(SIMD[DType.float32, 8](0)))
+    else:
+        var sc = (blk + 192).unsafe_bitcast[Int8]().unsafe_load[width=16](0)
+        return (sc.cast[DType.float32]() * _half(blk + 208), FV(0))
+
+
+@always_inline
+def _group_scale[fmt: Int, g: Int](dsc: FV) -> FV:
+    """The scale of each lane of a dot product over weights 32g .. 32g+31: lane l holds
+    weights 2l and 2l+1, so Q6_K's two sub-blocks of 16 split the lanes 8 / 8."""
+    comptime if fmt == Q6_K:
+        comptime a = 2 * g
+        comptime b = 2 * g + 1
+        return dsc.shuffle[a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b]()
+    else:
+        return dsc.shuffle[g, g, g, g, g, g, g, g, g, g, g, g, g, g, g, g]()
+
+
+struct _XPrep:
+    """x[M, K] as bfloat16 halves hi and lo ([M, K] each, in natural order or, for Q4_K,
+    in `_tile_q4k`'s order) and its sums per 32 ([M, K / 32], float32)."""
+
+    var hi: BPtr
+    var lo: BPtr
+    var sums: F32Ptr
+
+    def __init__(out self, x: F32Ptr, M: Int, K: Int, sums: Bool, q4k_order: Bool):
+        self.hi = alloc[BFloat16](M * K, alignment=64)
+        self.lo = alloc[BFloat16](M * K, alignment=64)
+        self.sums = alloc[Float32](M * (K // 32) if sums else 1, alignment=64)
+        if q4k_order:
+            # Element 128 h + 32 v + j of a block: sub-block 4h + v % 2 (+ 2 for j >= 16),
+            # its even (v < 2) or odd weights: each sub-block's evens and odds go to two
+            # halves of lookup rows (see `_tile_q4k`).
+            for r in range(M * K // 256):
+                comptime for sb in range(8):
+                    var eo = x.unsafe_load[width=32](256 * r + 32 * sb).deinterleave()
+                    comptime base = 128 * (sb // 4) + 32 * (sb % 2) + 16 * ((sb % 4) // 2)
+                    self._store(256 * r + base, eo[0])
+                    self._store(256 * r + base + 64, eo[1])
+        else:
+            for i in range(M * K // 16):
+                self._store(16 * i, x.unsafe_load[width=16](16 * i))
+        if sums:
+            for i in range(M * K // 32):
+                var s = x.unsafe_load[width=16](32 * i) + x.unsafe_load[width=16](32 * i + 16)
+                self.sums.unsafe_store(i, s.reduce_add())
+
+    @always_inline
+    def _store(self, i: Int, v: SIMD[DType.float32, 16]):
+        var h = v.cast[DType.bfloat16]()
+        self.hi.unsafe_store(i, h)
+        self.lo.unsafe_store(i, (v - h.cast[DType.float32]()).cast[DType.bfloat16]())
+
+    def free(self):
+        self.hi.free()
+        self.lo.free()
+        self.sums.free()
+
+
+@always_inline
+def _tile_q4k[mt: Int](
+    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
+):
+    """`_tile_bf16` for Q4_K, with the nibbles looked up straight from the block's bytes.
+
+    A 64-byte half h of the quants, read as 32 words, indexes a 32-entry table of
+    bfloat16 (q & 15) - 8 four ways: by each word's bits 0-4, 4-8, 8-12 and 12-16 (the
+    table ignores bit 4), giving the low and high nibbles of its even and odd bytes with
+    one shift and one vpermw per 32 weights, no masks and no widening. Word j < 16 is
+    in sub-block 4h (4h + 1 for high nibbles), j >= 16 in 4h + 2 (4h + 3), so the
+    dot products' lanes 0-7 and 8-15 take two sub-blocks' scales; x is stored in the
+    same order (`_XPrep`).
+    """
+    comptime BS = block_bytes[Q4_K]()
+    var lo = SIMD[DType.float32, 32](0)
+    comptime for q in range(32):
+        lo[q] = Float32((q % 16) - 8)
+    var lut = bitcast[DType.int16, 32](lo.cast[DType.bfloat16]())
+    var acc = Array[FV, mt * 2](fill=0)
+    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
+    var row = w + n * (K // 256) * BS
+    for blk in range(K // 256):
+        var bp = row + blk * BS
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
+        var sc = _scales[Q4_K](bp)
+        comptime for i in range(mt):
+            var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
+            corr[i] = fma(sc[1].slice[8](), xs, corr[i])
+        comptime for h in range(2):
+            var words = (bp + 16 + 64 * h).unsafe_bitcast[Int16]().unsafe_load[width=32](0)
+            comptime for p in range(2):
+                # p = 0: low nibbles (sub-blocks 4h, 4h + 2), p = 1: high (4h + 1, 4h + 3).
+                comptime a = 4 * h + p
+                comptime c = a + 2
+                var gs = sc[0].shuffle[a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c]()
+                var even = bitcast[DType.bfloat16, 32](
+                    llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut, words >> Int16(4 * p))
+                )
+                var odd = bitcast[DType.bfloat16, 32](
+                    llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](
+                        lut, (words.cast[DType.uint16]() >> UInt16(8 + 4 * p)).cast[DType.int16]()
+                    )
+                )
+                comptime for i in range(mt):
+                    var o = (m0 + i) * K + blk * 256 + 128 * h + 32 * p
+                    var s = _dot(FV(0), even, xp.hi.unsafe_load[width=32](o))
+                    s = _dot(s, even, xp.lo.unsafe_load[width=32](o))
+                    s = _dot(s, odd, xp.hi.unsafe_load[width=32](o + 64))
+                    s = _dot(s, odd, xp.lo.unsafe_load[width=32](o + 64))
+                    acc[2 * i + p] = fma(s, gs, acc[2 * i + p])
+    comptime for i in range(mt):
+        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
+        if has_bias:
+            s += b.unsafe_load(n)
+        y.unsafe_store((m0 + i) * N + n, s)
+
+
+@always_inline
+def _tile_bf16[fmt: Int, mt: Int](
+    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
+):
+    """y[m0 : m0+mt, n] for a K-quant row `n`, through bfloat16 dot products."""
+    comptime BS = block_bytes[fmt]()
+    var lut = _lut[fmt]()
+    var acc = Array[FV, mt * 2](fill=0)
+    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
+    var row = w + n * (K // 256) * BS
+    for blk in range(K // 256):
+        var bp = row + blk * BS
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
+        var sc = _scales[fmt](bp)
+        comptime if fmt != Q6_K:
+            comptime for i in range(mt):
+                var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
+                corr[i] = fma(sc[1].slice[8](), xs, corr[i])
+        comptime for g in range(8):
+            var wv = _weights[fmt, g](bp, lut)
+            var gs = _group_scale[fmt, g](sc[0])
+            comptime for i in range(mt):
+                var o = (m0 + i) * K + blk * 256 + 32 * g
+                var s = _dot(FV(0), wv, xp.hi.unsafe_load[width=32](o))
+                s = _dot(s, wv, xp.lo.unsafe_load[width=32](o))
+                acc[2 * i + g % 2] = fma(s, gs, acc[2 * i + g % 2])
+    comptime for i in range(mt):
+        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
+        if has_bias:
+            s += b.unsafe_load(n)
+        y.unsafe_store((m0 + i) * N + n, s)
+
+
+@always_inline
+def _row_bf16[fmt: Int](
+    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr, M: Int, K: Int, N: Int, n: Int, has_bias: Bool,
+):
+    var m0 = 0
+    while m0 + MT <= M:
+        comptime if fmt == Q4_K:
+            _tile_q4k[MT](xp, w, b, y, K, N, m0, n, has_bias)
+        else:
+            _tile_bf16[fmt, MT](xp, w, b, y, K, N, m0, n, has_bias)
+        m0 += MT
+    comptime for rest in range(1, MT):
+        if M - m0 == rest:
+            comptime if fmt == Q4_K:
+                _tile_q4k[rest](xp, w, b, y, K, N, m0, n, has_bias)
+            else:
+                _tile_bf16[fmt, rest](xp, w, b, y, K, N, m0, n, has_bias)
+
+
+def _packed_decode_bf16[fmt: Int](
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    var xp = _XPrep(x, M, K, sums=fmt != Q6_K, q4k_order=fmt == Q4_K)
+
+    def task(t: Int) {imm xp, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
+        var first = t * N // ntasks
+        var last = (t + 1) * N // ntasks
+        for n in range(first, last):
+            _row_bf16[fmt](xp, w, b, y, M, K, N, n, has_bias)
+
+    sync_parallelize(task, ntasks, ctx)
+    xp.free()
+
+
 def packed_matmul[fmt: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     if M > DECODE_ROWS:
         _packed_prefill[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        return
+    comptime if BF16_DOT and (fmt == Q4_K or fmt == Q5_K or fmt == Q6_K):
+        _packed_decode_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
 
     def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:

@@ -1,0 +1,107 @@
+"""The packed-weight kernels at one row: the package's (`kernels/mojo/kquant.mojo`,
+blocks as the file stores them, float32 activations) against MAX's `qmatmul` (its
+`vroom` kernels, blocks repacked at load, 8-bit activations), per GGUF block type.
+
+    PYTHONPATH=. heavy python benchmarks/bench_packed.py
+    PYTHONPATH=. heavy python benchmarks/bench_packed.py --types q4_k --layers 36
+
+Each graph chains `--layers` pairs of GPT-2's MLP projections (768 -> 3072 -> 768)
+on random weights quantized to the type, one input row. At the default 12 layers the
+weights (32-46 MB) sit mostly in the 32 MiB L3 of the CPUs at hand, so the figure is
+each kernel's arithmetic; at 36 they stream from memory. The kernels run in
+alternating rounds (median of each round, then the median and best round), so
+drift on a shared machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from bench_serve import cpu_model
+from gguf import GGMLQuantizationType
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph, Shape, TensorType
+from max.graph.quantization import QuantizationEncoding
+from max.graph.weights import WeightData
+
+from gpt2_max import kernels
+from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
+from gpt2_max.tools.gguf_quants import quantize
+
+D, FF = 768, 3072
+
+
+def chain(encoding: str, weights: list[np.ndarray], package: bool) -> Graph:
+    cpu = DeviceRef.CPU()
+    types = [TensorType(DType.float32, [1, D], cpu)]
+    types += [TensorType(DType.uint8, list(w.shape), cpu) for w in weights]
+    with Graph(f"{encoding}_{'package' if package else 'max'}", input_types=types) as graph:
+        x = graph.inputs[0].tensor
+        for w in graph.inputs[1:]:
+            if package:
+                x = kernels.packed_matmul(encoding)(x, w.tensor)
+            else:
+                x = _matmul(QuantizationEncoding[encoding.upper()])(x, w.tensor)
+        graph.output(x)
+    return graph
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="q4_k,q5_k,q6_k")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    session = InferenceSession(devices=[CPU()])
+    runs = {}
+    for encoding in args.types.split(","):
+        qtype = GGMLQuantizationType[encoding.upper()]
+        blocks = [
+            quantize(rng.standard_normal(shape, dtype=np.float32), qtype)
+            for _ in range(args.layers) for shape in ((FF, D), (D, FF))
+        ]
+        nbytes = sum(b.nbytes for b in blocks)
+        variants = {"package": blocks}
+        qe = QuantizationEncoding[encoding.upper()]
+        if has_max_kernel(qe):
+            state = {
+                str(i): WeightData(b, str(i), DType.uint8, Shape(b.shape), qe)
+                for i, b in enumerate(blocks)
+            }
+            repacked = repack(state)
+            variants["max"] = [np.asarray(repacked[str(i)].data) for i in range(len(blocks))]
+        for name, weights in variants.items():
+            model = session.load(chain(encoding, weights, name == "package"))
+            buffers = [Buffer.from_numpy(np.ones((1, D), np.float32))]
+            buffers += [Buffer.from_numpy(np.ascontiguousarray(w)) for w in weights]
+            runs[encoding, name] = (model, buffers, nbytes)
+    rounds: dict = {key: [] for key in runs}
+    for _ in range(args.rounds):
+        for key, (model, buffers, _) in runs.items():
+            for _ in range(3):
+                model.execute(*buffers)
+            times = []
+            for _ in range(40):
+                start = time.perf_counter()
+                model.execute(*buffers)
+                times.append(time.perf_counter() - start)
+            rounds[key].append(statistics.median(times))
+    print(f"CPU: {cpu_model()}; one row through {args.layers} x ({D} -> {FF} -> {D}); "
+          "ms per chain, GB/s of weights")
+    print(f"{'type':6} {'kernel':8} {'MB':>6} {'median ms':>10} {'GB/s':>6} "
+          f"{'best ms':>8} {'GB/s':>6}")
+    for (encoding, name), times in rounds.items():
+        nbytes = runs[encoding, name][2]
+        med, best = statistics.median(times), min(times)
+        print(f"{encoding:6} {name:8} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
+              f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
