@@ -44,9 +44,9 @@ def chain(encoding: str, weights: list[np.ndarray], package: bool) -> Graph:
         x = graph.inputs[0].tensor
         for w in graph.inputs[1:]:
             if package:
-                x = kernels.packed_matmul(encoding)(x, w.tensor)
+                x = kernels.packed_matmul(encoding, x, w.tensor)
             else:
-                x = _matmul(QuantizationEncoding[encoding.upper()])(x, w.tensor)
+                x = _matmul(QuantizationEncoding[encoding.upper()], x, w.tensor)
         graph.output(x)
     return graph
 
