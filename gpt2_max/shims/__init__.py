@@ -15,6 +15,8 @@ and why, so nothing else in the package imports a private MAX name:
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
   package's pipelines, which MAX 26.7 refuses for every model on the CPU.
+- `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
+  first use instead of at every start.
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,
