@@ -7,7 +7,9 @@ layers prepare the weights they read (`layers.layers_for`), builds the module
 under `F.lazy()` (so no placeholder weights are ever allocated), compiles it
 once with symbolic batch and sequence dimensions, and runs it every step on
 the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
-`LogProbabilitiesMixin` adds log-probabilities from the logits the graph returns.
+MAX's `LogProbabilitiesMixin` adds log-probabilities from the logits the graph
+returns, its graph compiled by the first request that asks for them
+(`shims.log_probabilities`) rather than at every start.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from typing import Any, ClassVar
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
-from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
 from .layers import layers_for
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
+from .shims.log_probabilities import LazyLogProbabilities
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 
@@ -51,7 +53,9 @@ def announce_compile(encoding: object) -> None:
     )
 
 
-class GPT2PipelineModel(LogProbabilitiesMixin, ModuleV3PipelineModelWithKVCache[TextContext]):
+class GPT2PipelineModel(
+    LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]
+):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching."""
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig

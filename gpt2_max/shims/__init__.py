@@ -18,6 +18,8 @@ and why, so nothing else in the package imports a private MAX name:
 - `fast_forward`: opt-in fast-forward tokens under `max serve`
   (`GPT2_MAX_FAST_FORWARD=1`), a `TextContext` subclass registered as the
   architecture's context type.
+- `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
+  first use instead of at every start.
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,
