@@ -255,18 +255,16 @@ def _lut[fmt: Int]() -> Tuple[WV, WV]:
 
 @always_inline
 def _quants[fmt: Int, g: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
-    """The unsigned quants of weights 32g .. 32g+31 of a K-block (see `_decode`)."""
-    comptime if fmt == Q4_K or fmt == Q5_K:
-        comptime qoff = 16 if fmt == Q4_K else 48
-        var q = (blk + qoff + 32 * (g // 2)).unsafe_load[width=32](0)
+    """The unsigned quants of weights 32g .. 32g+31 of a Q5_K or Q6_K block (see
+    `_decode`; Q4_K's are read as words by `_tile_q4k`)."""
+    comptime if fmt == Q5_K:
+        var q = (blk + 48 + 32 * (g // 2)).unsafe_load[width=32](0)
         comptime if g % 2 == 0:
             q = q & 0xF
         else:
             q = q >> 4
-        comptime if fmt == Q5_K:
-            var h = (blk + 16).unsafe_load[width=32](0)
-            q = q | (((h >> UInt8(g)) & 1) << 4)
-        return q
+        var h = (blk + 16).unsafe_load[width=32](0)
+        return q | (((h >> UInt8(g)) & 1) << 4)
     else:
         comptime h = g // 4
         comptime s = g % 4
@@ -367,6 +365,30 @@ struct _XPrep:
 
 
 @always_inline
+def _add_min_terms[mt: Int](
+    mut corr: Array[SIMD[DType.float32, 8], mt], xp: _XPrep, coeff: FV, K: Int, m0: Int, blk: Int
+):
+    """Adds, per input row m0 + i, each sub-block's min-term coefficient times the row's
+    sum of x over that sub-block."""
+    comptime for i in range(mt):
+        var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
+        corr[i] = fma(coeff.slice[8](), xs, corr[i])
+
+
+@always_inline
+def _store_tile[mt: Int](
+    acc: Array[FV, mt * 2], corr: Array[SIMD[DType.float32, 8], mt],
+    b: F32Ptr, y: F32Ptr, N: Int, m0: Int, n: Int, has_bias: Bool,
+):
+    """Sets y[m0 + i, n]: row i's two accumulators, less its min terms, plus the bias."""
+    comptime for i in range(mt):
+        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
+        if has_bias:
+            s += b.unsafe_load(n)
+        y.unsafe_store((m0 + i) * N + n, s)
+
+
+@always_inline
 def _tile_q4k[mt: Int](
     xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
@@ -393,9 +415,7 @@ def _tile_q4k[mt: Int](
         var bp = row + blk * BS
         prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
         var sc = _scales[Q4_K](bp)
-        comptime for i in range(mt):
-            var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
-            corr[i] = fma(sc[1].slice[8](), xs, corr[i])
+        _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
         comptime for h in range(2):
             var words = (bp + 16 + 64 * h).unsafe_bitcast[Int16]().unsafe_load[width=32](0)
             comptime for p in range(2):
@@ -418,11 +438,7 @@ def _tile_q4k[mt: Int](
                     s = _dot(s, odd, xp.hi.unsafe_load[width=32](o + 64))
                     s = _dot(s, odd, xp.lo.unsafe_load[width=32](o + 64))
                     acc[2 * i + p] = fma(s, gs, acc[2 * i + p])
-    comptime for i in range(mt):
-        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
-        if has_bias:
-            s += b.unsafe_load(n)
-        y.unsafe_store((m0 + i) * N + n, s)
+    _store_tile[mt](acc, corr, b, y, N, m0, n, has_bias)
 
 
 @always_inline
@@ -441,9 +457,7 @@ def _tile_bf16[fmt: Int, mt: Int](
         prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
         var sc = _scales[fmt](bp)
         comptime if fmt != Q6_K:
-            comptime for i in range(mt):
-                var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
-                corr[i] = fma(sc[1].slice[8](), xs, corr[i])
+            _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
         comptime for g in range(8):
             var wv = _weights[fmt, g](bp, lut)
             var gs = _group_scale[fmt, g](sc[0])
@@ -452,11 +466,7 @@ def _tile_bf16[fmt: Int, mt: Int](
                 var s = _dot(FV(0), wv, xp.hi.unsafe_load[width=32](o))
                 s = _dot(s, wv, xp.lo.unsafe_load[width=32](o))
                 acc[2 * i + g % 2] = fma(s, gs, acc[2 * i + g % 2])
-    comptime for i in range(mt):
-        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
-        if has_bias:
-            s += b.unsafe_load(n)
-        y.unsafe_store((m0 + i) * N + n, s)
+    _store_tile[mt](acc, corr, b, y, N, m0, n, has_bias)
 
 
 @always_inline
