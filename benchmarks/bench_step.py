@@ -145,11 +145,12 @@ def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
     return table
 
 
-def serve_accounting(path: Path, new_tokens: int) -> dict[str, float]:
-    """Milliseconds per decode token of one streamed request through `max serve`, and
-    the CPU milliseconds per token each server process spent meanwhile."""
+def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[str, float]:
+    """Milliseconds per decode token of one streamed request through `max serve` (with
+    `env` added to its environment), and the CPU milliseconds per token each server
+    process spent meanwhile."""
     with tempfile.TemporaryDirectory() as scratch, serve(
-        path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log"
+        path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log", env=env
     ) as server:
         root = psutil.Process(server.pid)
         processes = [root, *root.children(recursive=True)]
@@ -319,7 +320,9 @@ def graph_split(path: Path, repeat: int) -> dict[str, float]:
 PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, float]]] = {
     "step": lambda path, args: step_accounting(path, args.new_tokens),
     "split": lambda path, args: graph_split(path, args.repeat),
-    "serve": lambda path, args: serve_accounting(path, args.new_tokens),
+    "serve": lambda path, args: serve_accounting(
+        path, args.new_tokens, dict(item.split("=", 1) for item in args.serve_env)
+    ),
 }
 """Each measurement runs in a process of its own: a MAX session left from one (its
 thread pool) would share the two cores with the next."""
@@ -328,7 +331,8 @@ thread pool) would share the two cores with the next."""
 def measure(part: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
     """`PARTS[part]` on `path`, in a fresh Python process."""
     command = [sys.executable, __file__, "--part", part, "--path", str(path),
-               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)]
+               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat),
+               *(f"--serve-env={item}" for item in args.serve_env)]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -343,6 +347,9 @@ def main() -> None:
                         help="also run llama.cpp's llama-bench (tg128) on each file")
     parser.add_argument("--serve", action="store_true",
                         help="also time one streamed request through `max serve`")
+    parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="add to the environment of that `max serve` (repeatable), e.g. "
+                             "the settings README's 'Latency of one stream' recommends")
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -354,6 +361,8 @@ def main() -> None:
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
     print(f"CPU: {cpu_model()}; preset {args.preset}; batch 1, {len(PROMPT)}-token prompt, "
           f"{args.new_tokens} new tokens; ms per decode step (mean)")
+    if args.serve and args.serve_env:
+        print(f"max serve's added environment: {' '.join(args.serve_env)}")
     for file_type in args.types.split(","):
         path = gguf_file(checkpoint, file_type)
         steps = measure("step", path, args)
