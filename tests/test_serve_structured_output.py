@@ -1,8 +1,8 @@
 """`response_format` through `max serve --enable-structured-output` on the CPU (openai client).
 
-One server (the plugin's `gpt2_max_structured_server`) and one in-process
-`Generator` of the same checkpoint for the whole module. The model has random
-weights, so only the grammar makes its output parse: every answer (greedy,
+One server (the plugin's `gpt2_max_structured_server`) and the session's
+in-process `generator` (conftest), on the same checkpoint. The model has
+random weights, so only the grammar makes its output parse: every answer (greedy,
 streamed, seeded) is parsed and validated with `jsonschema`. Greedy answers
 are also transformers' greedy under the server's own grammar (MAX's xgrammar
 bitmask), token for token, and the `Generator` asked for that engine gives the
@@ -14,7 +14,6 @@ answer is JSON (or, cut by `max_tokens`, the start of JSON).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,7 +23,6 @@ import pytest
 from llguidance import LLMatcher
 from transformers import AutoTokenizer
 
-from gpt2_max.generate import Generator
 from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
 from gpt2_max.generate.xgrammar_mask import compile_json_schema
 from gpt2_max.shims.internals import openai_response_format
@@ -72,13 +70,6 @@ def sampled(served):
         name: [chat(served, name, temperature=1.0, seed=seed) for seed in SEEDS]
         for name in SCHEMAS
     }
-
-
-@pytest.fixture(scope="module")
-def generator(gpt2_max_checkpoint) -> Iterator[Generator]:
-    """The in-process front door on the served checkpoint."""
-    with Generator(gpt2_max_checkpoint, max_batch_size=8) as generator:
-        yield generator
 
 
 def token_ids(response) -> list[int]:
