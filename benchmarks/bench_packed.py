@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--dots", default="int8,bfloat16",
+    parser.add_argument("--dots", default="int8x2,int8,bfloat16",
                         help="the package's decode arithmetics to run (kernels.DOTS)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)

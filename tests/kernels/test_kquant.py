@@ -31,16 +31,17 @@ SMALL_BLOCK_SHAPES = ((32, 5), (96, 33))
 """The 32-value formats also take K that no 256-value block divides."""
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 """The formats with a choice of decode arithmetic (`kernels.DOTS`)."""
-ROUNDED = ("auto", "int8")
-"""Dots whose K-quant results may carry int8 rounding of the activations ("auto" is
-int8 on a CPU with VNNI; the every-shape test runs each named one, the served model
-runs "auto")."""
+ROUNDED = {"int8": 1, "int8x2": 254, "auto": 254}
+"""Dots whose K-quant results may carry int8 rounding of the activations, by how much
+finer than one int8 step per block their rounding is ("int8x2" rounds the remainder
+again; "auto" is it on a CPU with VNNI). The every-shape test runs each named one,
+the served model "auto"."""
 
 
 CASES = [
     (encoding, dot, k, n)
     for encoding in sorted(kernels.PACKED_TYPES)
-    for dot in (("float32", "bfloat16", "int8") if encoding in K_QUANTS else ("auto",))
+    for dot in (("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS else ("auto",))
     for k, n in SHAPES + (SMALL_BLOCK_SHAPES if encoding in ("q4_0", "q8_0") else ())
 ]
 
@@ -99,7 +100,8 @@ def test_matches_numpy_on_dequantized_weights(encoding, dot, k, n):
     for m in ROWS:
         x = rng.standard_normal((m, k), dtype=np.float32)
         exact = x.astype(np.float64) @ w.T
-        atol = float_atol(k) + (int8_atol(x, w) if dot == "int8" else 0)
+        rounded = encoding in K_QUANTS and dot in ROUNDED
+        atol = float_atol(k) + (int8_atol(x, w) / ROUNDED[dot] if rounded else 0)
         got = run(encoding, dot, x, blocks)
         assert np.all(np.abs(got - exact) <= atol), f"matmul m={m}"
         got = run(encoding, dot, x, blocks, b)
@@ -122,8 +124,7 @@ def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
     x[:, 512:768] *= 1e4
     x[1, :256] = 0
     exact = x.astype(np.float64) @ w.T
-    atol = float_atol(k) * 1e-2 + int8_atol(x, w)
-    for dot in ROUNDED:
+    for dot, finer in ROUNDED.items():
         got = run(encoding, dot, x, blocks)
         assert np.all(np.isfinite(got))
-        assert np.all(np.abs(got - exact) <= atol), dot
+        assert np.all(np.abs(got - exact) <= float_atol(k) * 1e-2 + int8_atol(x, w) / finer), dot

@@ -2,18 +2,30 @@
 
 `W` is a GGUF tensor as the file stores it: row `n` is the `K / QK` blocks of output
 feature `n`, `BYTES` bytes each, in ggml's block layout (no repack). `x`, `b` and `y`
-are float32, and so is the arithmetic: every weight is decoded to float32 in registers
-and multiplied by float32 activations, so the result is the float matmul over the
-dequantized weights up to summation order (MAX's and llama.cpp's kernels round the
-activations to 8 bits instead).
+are float32.
 
 At a few rows a step costs the bytes of `W`, so the work split follows `skinny.mojo`:
 each task owns a contiguous band of weight rows and streams it once; each block is
-decoded once per tile of up to `MT` input rows, in groups of 32 weights (two vectors),
-and multiplied into `MT * 4` accumulators while its bytes are in L1. Past
-`DECODE_ROWS` rows (a prefill) decoding per row tile would repeat M / MT times, so
-bands of weight rows are decoded once into float32 and multiplied with `skinny.mojo`'s
-register tiles.
+decoded once per tile of up to `MT` input rows and multiplied into per-row
+accumulators while its bytes are in L1. Past `DECODE_ROWS` rows (a prefill) decoding
+per row tile would repeat M / MT times, so bands of weight rows are decoded once into
+float32 and multiplied with `skinny.mojo`'s register tiles, in float32.
+
+The decode rows' arithmetic (`decode_dot`; the ops' `dot` parameter names one for
+tests and benchmarks, DOT_AUTO is what the model runs) is, for the K-quants, the
+fastest the CPU has that keeps the float result:
+- int8x2 (AVX-512 VNNI: Zen 4, Cascade Lake and later Xeons): x rounded to int8 per
+  block of 256 and its remainder rounded again (`_X8`), each multiplied in integers
+  (`_tile_vnni`), to about 2^-16 of each block's largest activation. An integer dot
+  takes fewer instructions per weight than a bfloat16 one, so two terms still beat
+  the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
+- bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
+- float32: every weight decoded to float32 in registers (`_tile`); Q4_0 and Q8_0
+  always run this way.
+int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
+llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
+projections of the Q4_K_M parity test (`tests/weights/test_gguf.py`) it costs greedy
+agreement with the float model, which the second term gives back.
 
 Formats (`fmt`, the GGML type id): Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14).
 """
@@ -535,6 +547,8 @@ def _packed_decode_bf16[fmt: Int](
 # the way (vpdpbusd would sum four bytes at once but leave the scales to a float multiply
 # per 64 weights, three instructions). Per block and row one int-to-float FMA by d dx, and
 # one FMA of the m'_j by the sums; the bfloat16 path needs 6 instructions per 64 weights.
+# With `terms` 2 the remainder of x's rounding, itself rounded to int8 (`_X8.lo`), goes
+# through the same two instructions into a second accumulator.
 
 
 comptime IV = SIMD[DType.int32, 16]
@@ -563,12 +577,15 @@ def _x8_offset[fmt: Int](j: Int) -> Int:
         return 128 * (sb // 4) + 64 * (r % 2) + 32 * (r // 2) + 16 * (j % 2)
 
 
-struct _X8[fmt: Int]:
+struct _X8[fmt: Int, terms: Int]:
     """x[M, K] rounded to int8 per block of 256 (`q`, [M, K], chunks in `_x8_offset`'s
-    order), the blocks' scales (`d`, [M, K / 256]) and d times each sub-block's sum of
-    the int8s (`sums`, [M, K / sub])."""
+    order), the blocks' scales (`d`, [M, K / 256]) and each sub-block's sum of the
+    rounded x (`sums`, [M, K / sub]). With `terms` 2, `lo` ([M, K]) rounds what is left,
+    x - d q, on the step d / 254, so that x ~ d (q + lo / 254) to about 2^-16 of the
+    block's largest."""
 
     var q: I8Ptr
+    var lo: I8Ptr
     var d: F32Ptr
     var sums: F32Ptr
 
@@ -576,6 +593,7 @@ struct _X8[fmt: Int]:
         comptime SUB = _sub_elems[Self.fmt]()
         var nb = M * K // 256
         self.q = alloc[Int8](M * K, alignment=64)
+        self.lo = alloc[Int8](M * K if Self.terms == 2 else 1, alignment=64)
         self.d = alloc[Float32](nb, alignment=64)
         self.sums = alloc[Float32](M * K // SUB, alignment=64)
         for r in range(nb):
@@ -589,9 +607,15 @@ struct _X8[fmt: Int]:
             self.d.unsafe_store(r, d)
             var pair = Float32(0)
             comptime for j in range(16):
-                var q = round(src.unsafe_load[width=16](16 * j) * inv).cast[DType.int32]()
-                (self.q + 256 * r + _x8_offset[Self.fmt](j)).unsafe_store(0, q.cast[DType.int8]())
-                var s = q.reduce_add().cast[DType.float32]() * d
+                var v = src.unsafe_load[width=16](16 * j)
+                var q = round(v * inv)
+                var o = 256 * r + _x8_offset[Self.fmt](j)
+                (self.q + o).unsafe_store(0, q.cast[DType.int8]())
+                var s = q.reduce_add() * d
+                comptime if Self.terms == 2:
+                    var lo = round((v - q * d) * (inv * 254))
+                    (self.lo + o).unsafe_store(0, lo.cast[DType.int8]())
+                    s += lo.reduce_add() * (d / 254)
                 comptime if SUB == 16:
                     self.sums.unsafe_store(16 * r + j, s)
                 elif j % 2 == 0:
@@ -601,6 +625,7 @@ struct _X8[fmt: Int]:
 
     def free(self):
         self.q.free()
+        self.lo.free()
         self.d.free()
         self.sums.free()
 
@@ -659,8 +684,8 @@ def _dot8(acc: IV, q: QV, x: XV, sc: SIMD[DType.int16, 32]) -> IV:
 
 
 @always_inline
-def _tile_vnni[fmt: Int, mt: Int](
-    xq: _X8[fmt], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+def _tile_vnni[fmt: Int, terms: Int, mt: Int](
+    xq: _X8[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
 ):
     """y[m0 : m0+mt, n] for a K-quant row `n`, through 8-bit integer dot products."""
@@ -688,26 +713,32 @@ def _tile_vnni[fmt: Int, mt: Int](
                 SIMD[DType.int16, 16](0)
             )
             coeff = rebind[SIMD[DType.float32, CW]](sm[1].cast[DType.float32]() * _half(bp + 2))
-        var isum = Array[IV, mt](fill=0)
+        var isum = Array[IV, mt * terms](fill=0)
         comptime for c in range(4):
             var q = _quants64[fmt, c](bp)
             var s = _spread[c, fmt](sc)
             comptime for i in range(mt):
-                var xv = (xq.q + (m0 + i) * K + blk * 256 + 64 * c).unsafe_load[width=64](0)
-                isum[i] = _dot8(isum[i], q, xv, s)
+                var o = (m0 + i) * K + blk * 256 + 64 * c
+                isum[terms * i] = _dot8(isum[terms * i], q, (xq.q + o).unsafe_load[width=64](0), s)
+                comptime if terms == 2:
+                    var xl = (xq.lo + o).unsafe_load[width=64](0)
+                    isum[2 * i + 1] = _dot8(isum[2 * i + 1], q, xl, s)
         comptime for i in range(mt):
             var r = (m0 + i) * nb + blk
-            acc[i] = fma(isum[i].cast[DType.float32](), FV(d * xq.d.unsafe_load(r)), acc[i])
+            var ddx = d * xq.d.unsafe_load(r)
+            acc[i] = fma(isum[terms * i].cast[DType.float32](), FV(ddx), acc[i])
+            comptime if terms == 2:
+                acc[i] = fma(isum[2 * i + 1].cast[DType.float32](), FV(ddx / 254), acc[i])
             var xs = xq.sums.unsafe_load[width=CW](r * CW)
             corr[i] = fma(coeff, xs, corr[i])
     _store_tile[mt, 1, CW](acc, corr, b, y, N, m0, n, has_bias)
 
 
-def _packed_decode_vnni[fmt: Int](
+def _packed_decode_vnni[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    var xq = _X8[fmt](x, M, K)
+    var xq = _X8[fmt, terms](x, M, K)
 
     def task(t: Int) {imm xq, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
         var first = t * N // ntasks
@@ -715,11 +746,11 @@ def _packed_decode_vnni[fmt: Int](
         for n in range(first, last):
             var m0 = 0
             while m0 + MT <= M:
-                _tile_vnni[fmt, MT](xq, w, b, y, K, N, m0, n, has_bias)
+                _tile_vnni[fmt, terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
                 m0 += MT
             comptime for rest in range(1, MT):
                 if M - m0 == rest:
-                    _tile_vnni[fmt, rest](xq, w, b, y, K, N, m0, n, has_bias)
+                    _tile_vnni[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)
     xq.free()
@@ -729,6 +760,7 @@ comptime DOT_AUTO = 0
 comptime DOT_F32 = 1
 comptime DOT_BF16 = 2
 comptime DOT_INT8 = 3
+comptime DOT_INT8X2 = 4
 
 
 def decode_dot[fmt: Int, dot: Int]() -> Int:
@@ -738,8 +770,8 @@ def decode_dot[fmt: Int, dot: Int]() -> Int:
     comptime if not (fmt == Q4_K or fmt == Q5_K or fmt == Q6_K):
         return DOT_F32
     if dot == DOT_AUTO:
-        return DOT_INT8 if VNNI_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
-    if (dot == DOT_BF16 and BF16_DOT) or (dot == DOT_INT8 and VNNI_DOT):
+        return DOT_INT8X2 if VNNI_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
+    if (dot == DOT_BF16 and BF16_DOT) or ((dot == DOT_INT8 or dot == DOT_INT8X2) and VNNI_DOT):
         return dot
     return DOT_F32
 
@@ -752,8 +784,9 @@ def packed_matmul[fmt: Int, dot: Int](
         _packed_prefill[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
     comptime path = decode_dot[fmt, dot]()
-    comptime if path == DOT_INT8:
-        _packed_decode_vnni[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+    comptime if path == DOT_INT8 or path == DOT_INT8X2:
+        comptime terms = 2 if path == DOT_INT8X2 else 1
+        _packed_decode_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
     elif path == DOT_BF16:
         _packed_decode_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
