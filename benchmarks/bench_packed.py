@@ -1,12 +1,14 @@
-"""The packed-weight kernels at one row: the package's (`kernels/mojo/kquant.mojo`,
-blocks as the file stores them, float32 activations) against MAX's `qmatmul` (its
-`vroom` kernels, blocks repacked at load, 8-bit activations), per GGUF block type.
+"""The packed-weight kernels at a few rows: the package's (`kernels/mojo/kquant.mojo`,
+blocks as the file stores them; K-quant decode rows in each arithmetic `--dots` names,
+`kernels.DOTS`) against MAX's `qmatmul` (its `vroom` kernels, blocks repacked at load,
+8-bit activations), per GGUF block type.
 
     PYTHONPATH=. heavy python benchmarks/bench_packed.py
     PYTHONPATH=. heavy python benchmarks/bench_packed.py --types q4_k --layers 36
+    PYTHONPATH=. heavy python benchmarks/bench_packed.py --rows 64 --dots auto
 
 Each graph chains `--layers` pairs of GPT-2's MLP projections (768 -> 3072 -> 768)
-on random weights quantized to the type, one input row. At the default 12 layers the
+on random weights quantized to the type, `--rows` input rows. At the default 12 layers the
 weights (32-46 MB) sit mostly in the 32 MiB L3 of the CPUs at hand, so the figure is
 each kernel's arithmetic; at 36 they stream from memory. The kernels run in
 alternating rounds (median of each round, then the median and best round), so
@@ -36,17 +38,18 @@ from gpt2_max.tools.gguf_quants import quantize
 D, FF = 768, 3072
 
 
-def chain(encoding: str, weights: list[np.ndarray], package: bool) -> Graph:
+def chain(encoding: str, weights: list[np.ndarray], kernel: str, rows: int) -> Graph:
+    """The layers through MAX's kernel (`kernel` "max") or the package's with dot `kernel`."""
     cpu = DeviceRef.CPU()
-    types = [TensorType(DType.float32, [1, D], cpu)]
+    types = [TensorType(DType.float32, [rows, D], cpu)]
     types += [TensorType(DType.uint8, list(w.shape), cpu) for w in weights]
-    with Graph(f"{encoding}_{'package' if package else 'max'}", input_types=types) as graph:
+    with Graph(f"{encoding}_{kernel}", input_types=types) as graph:
         x = graph.inputs[0].tensor
         for w in graph.inputs[1:]:
-            if package:
-                x = kernels.packed_matmul(encoding, x, w.tensor)
-            else:
+            if kernel == "max":
                 x = _matmul(QuantizationEncoding[encoding.upper()], x, w.tensor)
+            else:
+                x = kernels.packed_matmul(encoding, x, w.tensor, dot=kernel)
         graph.output(x)
     return graph
 
@@ -56,6 +59,9 @@ def main() -> None:
     parser.add_argument("--types", default="q4_k,q5_k,q6_k")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--dots", default="int8x2,int8,bfloat16",
+                        help="the package's decode arithmetics to run (kernels.DOTS)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     session = InferenceSession(devices=[CPU()])
@@ -67,7 +73,7 @@ def main() -> None:
             for _ in range(args.layers) for shape in ((FF, D), (D, FF))
         ]
         nbytes = sum(b.nbytes for b in blocks)
-        variants = {"package": blocks}
+        variants = {dot: blocks for dot in args.dots.split(",")}
         qe = QuantizationEncoding[encoding.upper()]
         if has_max_kernel(qe):
             state = {
@@ -77,8 +83,8 @@ def main() -> None:
             repacked = repack(state)
             variants["max"] = [np.asarray(repacked[str(i)].data) for i in range(len(blocks))]
         for name, weights in variants.items():
-            model = session.load(chain(encoding, weights, name == "package"))
-            buffers = [Buffer.from_numpy(np.ones((1, D), np.float32))]
+            model = session.load(chain(encoding, weights, name, args.rows))
+            buffers = [Buffer.from_numpy(np.ones((args.rows, D), np.float32))]
             buffers += [Buffer.from_numpy(np.ascontiguousarray(w)) for w in weights]
             runs[encoding, name] = (model, buffers, nbytes)
     rounds: dict = {key: [] for key in runs}
@@ -92,14 +98,14 @@ def main() -> None:
                 model.execute(*buffers)
                 times.append(time.perf_counter() - start)
             rounds[key].append(statistics.median(times))
-    print(f"CPU: {cpu_model()}; one row through {args.layers} x ({D} -> {FF} -> {D}); "
-          "ms per chain, GB/s of weights")
-    print(f"{'type':6} {'kernel':8} {'MB':>6} {'median ms':>10} {'GB/s':>6} "
+    print(f"CPU: {cpu_model()}; {args.rows} row(s) through {args.layers} x "
+          f"({D} -> {FF} -> {D}); ms per chain, GB/s of weights")
+    print(f"{'type':6} {'kernel':9} {'MB':>6} {'median ms':>10} {'GB/s':>6} "
           f"{'best ms':>8} {'GB/s':>6}")
     for (encoding, name), times in rounds.items():
         nbytes = runs[encoding, name][2]
         med, best = statistics.median(times), min(times)
-        print(f"{encoding:6} {name:8} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
+        print(f"{encoding:6} {name:9} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
               f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
 
 

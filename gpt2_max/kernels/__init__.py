@@ -47,14 +47,20 @@ def skinny_matmul(x: Any, w: Any) -> Tensor:
     return _call("gpt2_skinny_matmul", x, w)
 
 
-def packed_linear(encoding: str, x: Any, w: Any, b: Any) -> Tensor:
+DOTS = {"auto": 0, "float32": 1, "bfloat16": 2, "int8": 3, "int8x2": 4}
+"""The packed kernel's arithmetic at decode rows (`mojo/kquant.mojo`'s `decode_dot`):
+"auto" is the fastest the CPU has for the format; a named one the CPU or format lacks
+falls back to float32. Naming one is for tests and benchmarks, which compare them."""
+
+
+def packed_linear(encoding: str, x: Any, w: Any, b: Any, *, dot: str = "auto") -> Tensor:
     """`x @ dequant(w).T + b`, `w` GGUF blocks of `encoding` as the file stores them."""
-    return _call("gpt2_packed_linear", x, w, b, fmt=PACKED_TYPES[encoding])
+    return _call("gpt2_packed_linear", x, w, b, fmt=PACKED_TYPES[encoding], dot=DOTS[dot])
 
 
-def packed_matmul(encoding: str, x: Any, w: Any) -> Tensor:
+def packed_matmul(encoding: str, x: Any, w: Any, *, dot: str = "auto") -> Tensor:
     """`x @ dequant(w).T`, `w` GGUF blocks of `encoding` (a tied head over a packed table)."""
-    return _call("gpt2_packed_matmul", x, w, fmt=PACKED_TYPES[encoding])
+    return _call("gpt2_packed_matmul", x, w, fmt=PACKED_TYPES[encoding], dot=DOTS[dot])
 
 
 def _same_features(x: Any, w: Any) -> None:

@@ -43,7 +43,12 @@ all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
 
 
 MAX_KERNEL_ENCODINGS = frozenset(QuantizationEncoding[name.upper()] for name in PACKED_ENCODINGS)
-"""Encodings MAX's CPU `qmatmul` multiplies; the rest go through the package's kernel."""
+"""Encodings MAX's CPU `qmatmul` multiplies; the rest go through the package's kernel.
+
+Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps about
+as fast (`benchmarks/bench_packed.py`): a weight's kernel serves every step size, and
+the package's prefill (blocks decoded to float32) is several times slower than
+`qmatmul`'s integer one."""
 
 
 def has_max_kernel(encoding: QuantizationEncoding) -> bool:

@@ -2,7 +2,9 @@
 
 Weights are quantized by `tools.gguf_quants` (ggml's byte layout) and read back
 by `gguf.quants.dequantize`, an implementation independent of the kernel's: the
-kernel must equal the float matmul over those weights up to float32 summation order.
+kernel must equal the float matmul over those weights up to float32 summation order,
+or, where it rounds the activations to int8 (`dot="int8"`), up to what that rounding
+can add.
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ SHAPES = ((768, 2304), (256, 1), (512, 37), (3072, 768))
 """(K, N): GPT-2's projections, one output, and an output count no task split divides."""
 SMALL_BLOCK_SHAPES = ((32, 5), (96, 33))
 """The 32-value formats also take K that no 256-value block divides."""
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+"""The formats with a choice of decode arithmetic (`kernels.DOTS`)."""
+ROUNDED = {"int8": 1, "int8x2": 254, "auto": 254}
+"""Dots whose K-quant results may carry int8 rounding of the activations, by how much
+finer than one int8 step per block their rounding is ("int8x2" rounds the remainder
+again; "auto" is it on a CPU with VNNI). The every-shape test runs each named one,
+the served model "auto"."""
 
 
 CASES = [
-    (encoding, k, n)
+    (encoding, dot, k, n)
     for encoding in sorted(kernels.PACKED_TYPES)
+    for dot in (("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS else ("auto",))
     for k, n in SHAPES + (SMALL_BLOCK_SHAPES if encoding in ("q4_0", "q8_0") else ())
 ]
 
@@ -41,24 +51,47 @@ def test_every_type_kept_packed_has_a_kernel():
 
 
 @functools.cache
-def ops(encoding: str):
-    """Both ops for one block type, compiled once over symbolic shapes."""
+def ops(encoding: str, dot: str):
+    """Both ops for one block type and dot, compiled once over symbolic shapes."""
     cpu = DeviceRef.CPU()
     x = TensorType(DType.float32, ["m", "k"], cpu)
     w = TensorType(DType.uint8, ["n", "row_bytes"], cpu)
     b = TensorType(DType.float32, ["n"], cpu)
-    with Graph(f"packed_linear_{encoding}", input_types=[x, w, b]) as linear:
-        linear.output(kernels.packed_linear(encoding, *(v.tensor for v in linear.inputs)))
-    with Graph(f"packed_matmul_{encoding}", input_types=[x, w]) as matmul:
-        matmul.output(kernels.packed_matmul(encoding, *(v.tensor for v in matmul.inputs)))
+    with Graph(f"packed_linear_{encoding}_{dot}", input_types=[x, w, b]) as linear:
+        inputs = (v.tensor for v in linear.inputs)
+        linear.output(kernels.packed_linear(encoding, *inputs, dot=dot))
+    with Graph(f"packed_matmul_{encoding}_{dot}", input_types=[x, w]) as matmul:
+        inputs = (v.tensor for v in matmul.inputs)
+        matmul.output(kernels.packed_matmul(encoding, *inputs, dot=dot))
     session = InferenceSession(devices=[CPU()])
     return session.load(linear), session.load(matmul)
 
 
-@pytest.mark.parametrize("encoding, k, n", CASES)
-def test_matches_numpy_on_dequantized_weights(encoding, k, n):
+def float_atol(k: int) -> float:
+    """float32 accumulation over k terms of about unit size: error grows like sqrt(k)."""
+    return 1e-5 * np.sqrt(k) * 4
+
+
+def int8_atol(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Six standard deviations of what rounding x to int8 per block of 256 (step
+    max |x| / 127 of the block) adds to x @ w.T: each rounding error is about uniform
+    over a step, independent of the others, [rows of x, rows of w]."""
+    m, k = x.shape
+    step = np.abs(x.reshape(m, k // 256, 256)).max(axis=-1) / 127
+    weight = (w.reshape(w.shape[0], k // 256, 256) ** 2).sum(axis=-1)
+    return 6 * np.sqrt(step**2 / 12 @ weight.T)
+
+
+def run(encoding: str, dot: str, x, blocks, b=None) -> np.ndarray:
+    linear, matmul = ops(encoding, dot)
+    if b is None:
+        return matmul.execute(Buffer.from_numpy(x), Buffer.from_numpy(blocks))[0].to_numpy()
+    return linear.execute(*map(Buffer.from_numpy, (x, blocks, b)))[0].to_numpy()
+
+
+@pytest.mark.parametrize("encoding, dot, k, n", CASES)
+def test_matches_numpy_on_dequantized_weights(encoding, dot, k, n):
     qtype = GGMLQuantizationType[encoding.upper()]
-    linear, matmul = ops(encoding)
     rng = np.random.default_rng(k * 1000 + n)
     blocks = quantize(rng.standard_normal((n, k), dtype=np.float32), qtype)
     w = quants.dequantize(blocks, qtype).astype(np.float64)
@@ -67,9 +100,31 @@ def test_matches_numpy_on_dequantized_weights(encoding, k, n):
     for m in ROWS:
         x = rng.standard_normal((m, k), dtype=np.float32)
         exact = x.astype(np.float64) @ w.T
-        # float32 accumulation over k terms of about unit size: error grows like sqrt(k).
-        atol = 1e-5 * np.sqrt(k) * 4
-        got = matmul.execute(Buffer.from_numpy(x), Buffer.from_numpy(blocks))[0].to_numpy()
-        np.testing.assert_allclose(got, exact, atol=atol, rtol=0, err_msg=f"matmul m={m}")
-        got = linear.execute(*map(Buffer.from_numpy, (x, blocks, b)))[0].to_numpy()
-        np.testing.assert_allclose(got, exact + b, atol=atol, rtol=0, err_msg=f"linear m={m}")
+        rounded = encoding in K_QUANTS and dot in ROUNDED
+        atol = float_atol(k) + (int8_atol(x, w) / ROUNDED[dot] if rounded else 0)
+        got = run(encoding, dot, x, blocks)
+        assert np.all(np.abs(got - exact) <= atol), f"matmul m={m}"
+        got = run(encoding, dot, x, blocks, b)
+        assert np.all(np.abs(got - exact - b) <= atol), f"linear m={m}"
+
+
+@pytest.mark.parametrize("encoding", K_QUANTS)
+def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
+    """Blocks of x 10^4 apart in size, against weights that are zero under the large
+    ones: a scale per row (or per call) would round the small blocks with the large
+    ones' step, far past their own bound. An all-zero block of x (step 0) adds nothing."""
+    qtype = GGMLQuantizationType[encoding.upper()]
+    rng = np.random.default_rng(5)
+    k, n, m = 1024, 40, 3
+    dense = rng.standard_normal((n, k), dtype=np.float32)
+    dense[:, 512:768] = 0
+    blocks = quantize(dense, qtype)
+    w = quants.dequantize(blocks, qtype).astype(np.float64)
+    x = rng.standard_normal((m, k), dtype=np.float32) * 1e-2
+    x[:, 512:768] *= 1e4
+    x[1, :256] = 0
+    exact = x.astype(np.float64) @ w.T
+    for dot, finer in ROUNDED.items():
+        got = run(encoding, dot, x, blocks)
+        assert np.all(np.isfinite(got))
+        assert np.all(np.abs(got - exact) <= float_atol(k) * 1e-2 + int8_atol(x, w) / finer), dot

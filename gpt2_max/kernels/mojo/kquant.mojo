@@ -2,18 +2,30 @@
 
 `W` is a GGUF tensor as the file stores it: row `n` is the `K / QK` blocks of output
 feature `n`, `BYTES` bytes each, in ggml's block layout (no repack). `x`, `b` and `y`
-are float32, and so is the arithmetic: every weight is decoded to float32 in registers
-and multiplied by float32 activations, so the result is the float matmul over the
-dequantized weights up to summation order (MAX's and llama.cpp's kernels round the
-activations to 8 bits instead).
+are float32.
 
 At a few rows a step costs the bytes of `W`, so the work split follows `skinny.mojo`:
 each task owns a contiguous band of weight rows and streams it once; each block is
-decoded once per tile of up to `MT` input rows, in groups of 32 weights (two vectors),
-and multiplied into `MT * 4` accumulators while its bytes are in L1. Past
-`DECODE_ROWS` rows (a prefill) decoding per row tile would repeat M / MT times, so
-bands of weight rows are decoded once into float32 and multiplied with `skinny.mojo`'s
-register tiles.
+decoded once per tile of up to `MT` input rows and multiplied into per-row
+accumulators while its bytes are in L1. Past `DECODE_ROWS` rows (a prefill) decoding
+per row tile would repeat M / MT times, so bands of weight rows are decoded once into
+float32 and multiplied with `skinny.mojo`'s register tiles, in float32.
+
+The decode rows' arithmetic (`decode_dot`; the ops' `dot` parameter names one for
+tests and benchmarks, DOT_AUTO is what the model runs) is, for the K-quants, the
+fastest the CPU has that keeps the float result:
+- int8x2 (AVX-512 VNNI: Zen 4, Cascade Lake and later Xeons): x rounded to int8 per
+  block of 256 and its remainder rounded again (`_X8`), each multiplied in integers
+  (`_tile_vnni`), to about 2^-16 of each block's largest activation. An integer dot
+  takes fewer instructions per weight than a bfloat16 one, so two terms still beat
+  the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
+- bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
+- float32: every weight decoded to float32 in registers (`_tile`); Q4_0 and Q8_0
+  always run this way.
+int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
+llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
+projections of the Q4_K_M parity test (`tests/weights/test_gguf.py`) it costs greedy
+agreement with the float model, which the second term gives back.
 
 Formats (`fmt`, the GGML type id): Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14).
 """
@@ -46,6 +58,9 @@ comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
 Lake): K-quant decode steps then multiply in bfloat16 pairs (`_tile_bf16`), else by
 widening every weight to float32 (`_tile`)."""
+comptime VNNI_DOT = CompilationTarget._has_feature["avx512vnni"]()
+"""Whether the CPU has AVX-512 VNNI (Zen 4, Cascade Lake and later Xeons): K-quant
+decode steps then round x to 8 bits and multiply in integers (`_tile_vnni`)."""
 comptime BV = SIMD[DType.bfloat16, 32]
 comptime WV = SIMD[DType.int16, 32]
 comptime BPtr = UnsafePointer[BFloat16, MutUntrackedOrigin]
@@ -288,20 +303,32 @@ def _weights[fmt: Int, g: Int](blk: U8Ptr, lut: Tuple[WV, WV]) -> BV:
 
 
 @always_inline
+def _scales_mins_k4(blk: U8Ptr) -> Tuple[SIMD[DType.uint8, 8], SIMD[DType.uint8, 8]]:
+    """A Q4_K or Q5_K block's 8 sub-block scales and 8 mins (6 bits each), as vectors.
+
+    The 12 bytes after d and dmin (see `_scale_min_k4`): sub-blocks 0-3 hold their low
+    6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7 hold nibbles of bytes 8-11 and take
+    their top 2 bits from the top bits of bytes 0-7.
+    """
+    var q = (blk + 4).unsafe_load[width=16](0)
+    var a = q.slice[4, offset=0]()
+    var m = q.slice[4, offset=4]()
+    var c = q.slice[4, offset=8]()
+    return (
+        (a & 63).join((c & 0xF) | ((a >> 6) << 4)),
+        (m & 63).join((c >> 4) | ((m >> 6) << 4)),
+    )
+
+
+@always_inline
 def _scales[fmt: Int](blk: U8Ptr) -> Tuple[FV, FV]:
     """Per sub-block of a K-block: (d sc, dmin m - c d sc: the coefficient of the
     sub-block's sum of x, to subtract; Q6_K has none), Q4_K's and Q5_K's 8 sub-blocks
     in the first 8 lanes, Q6_K's 16."""
     comptime if fmt == Q4_K or fmt == Q5_K:
-        # The 12 bytes as vectors (see `_scale_min_k4`): sub-blocks 0-3 hold their low 6
-        # bits in bytes 0-3 (scales) and 4-7 (mins); 4-7 hold nibbles of bytes 8-11 and
-        # take their top 2 bits from the top bits of bytes 0-7.
-        var q = (blk + 4).unsafe_load[width=16](0)
-        var a = q.slice[4, offset=0]()
-        var m = q.slice[4, offset=4]()
-        var c = q.slice[4, offset=8]()
-        var sc = (a & 63).join((c & 0xF) | ((a >> 6) << 4)).cast[DType.float32]()
-        var mn = (m & 63).join((c >> 4) | ((m >> 6) << 4)).cast[DType.float32]()
+        var sm = _scales_mins_k4(blk)
+        var sc = sm[0].cast[DType.float32]()
+        var mn = sm[1].cast[DType.float32]()
         var dsc = sc * _half(blk)
         var corr = mn * _half(blk + 2) - Float32(_center[fmt]()) * dsc
         return (dsc.join(SIMD[DType.float32, 8](0)), corr.join(SIMD[DType.float32, 8](0)))
@@ -376,13 +403,16 @@ def _add_min_terms[mt: Int](
 
 
 @always_inline
-def _store_tile[mt: Int](
-    acc: Array[FV, mt * 2], corr: Array[SIMD[DType.float32, 8], mt],
+def _store_tile[mt: Int, na: Int, cw: Int](
+    acc: Array[FV, mt * na], corr: Array[SIMD[DType.float32, cw], mt],
     b: F32Ptr, y: F32Ptr, N: Int, m0: Int, n: Int, has_bias: Bool,
 ):
-    """Sets y[m0 + i, n]: row i's two accumulators, less its min terms, plus the bias."""
+    """Sets y[m0 + i, n]: row i's `na` accumulators, less its min terms, plus the bias."""
     comptime for i in range(mt):
-        var s = (acc[2 * i] + acc[2 * i + 1]).reduce_add() - corr[i].reduce_add()
+        var a = acc[na * i]
+        comptime for j in range(1, na):
+            a += acc[na * i + j]
+        var s = a.reduce_add() - corr[i].reduce_add()
         if has_bias:
             s += b.unsafe_load(n)
         y.unsafe_store((m0 + i) * N + n, s)
@@ -438,7 +468,7 @@ def _tile_q4k[mt: Int](
                     s = _dot(s, odd, xp.hi.unsafe_load[width=32](o + 64))
                     s = _dot(s, odd, xp.lo.unsafe_load[width=32](o + 64))
                     acc[2 * i + p] = fma(s, gs, acc[2 * i + p])
-    _store_tile[mt](acc, corr, b, y, N, m0, n, has_bias)
+    _store_tile[mt, 2, 8](acc, corr, b, y, N, m0, n, has_bias)
 
 
 @always_inline
@@ -466,7 +496,7 @@ def _tile_bf16[fmt: Int, mt: Int](
                 var s = _dot(FV(0), wv, xp.hi.unsafe_load[width=32](o))
                 s = _dot(s, wv, xp.lo.unsafe_load[width=32](o))
                 acc[2 * i + g % 2] = fma(s, gs, acc[2 * i + g % 2])
-    _store_tile[mt](acc, corr, b, y, N, m0, n, has_bias)
+    _store_tile[mt, 2, 8](acc, corr, b, y, N, m0, n, has_bias)
 
 
 @always_inline
@@ -504,14 +534,261 @@ def _packed_decode_bf16[fmt: Int](
     xp.free()
 
 
-def packed_matmul[fmt: Int](
+# ---- decode steps through 8-bit integer dot products (K-quants) ----------------------
+#
+# x is rounded once per call to int8 per block of 256 (`_X8`: x ~ dx q8, dx = max |x| /
+# 127), as ggml's Q8_K does, with the sums dx * sum(q8) per sub-block. A weight's quant
+# q (unsigned, 4 to 6 bits) is a byte as it comes out of the block, so per block
+#     sum_i x_i w_i ~ dx (d sum_j sc_j sum_{i in j} q_i q8_i) - sum_j m'_j sum_{i in j} dx q8_i
+# with m'_j = dmin m_j (Q4_K, Q5_K) or 32 d sc_j (Q6_K, whose values are d sc (q - 32)).
+# The first sum is integer: per 64 weights and input row, vpmaddubsw (u8 x s8 -> pairs
+# summed into i16; 63 * 127 * 2 fits) and vpdpwssd against the sub-blocks' scales as
+# i16 (pairs of i16 products summed into i32): two instructions, the scales applied on
+# the way (vpdpbusd would sum four bytes at once but leave the scales to a float multiply
+# per 64 weights, three instructions). Per block and row one int-to-float FMA by d dx, and
+# one FMA of the m'_j by the sums; the bfloat16 path needs 6 instructions per 64 weights.
+# With `terms` 2 the remainder of x's rounding, itself rounded to int8 (`_X8.lo`), goes
+# through the same two instructions into a second accumulator.
+
+
+comptime IV = SIMD[DType.int32, 16]
+comptime QV = SIMD[DType.uint8, 64]
+comptime XV = SIMD[DType.int8, 64]
+comptime I8Ptr = UnsafePointer[Int8, MutUntrackedOrigin]
+
+
+@always_inline
+def _sub_elems[fmt: Int]() -> Int:
+    """Weights per sub-block: 16 (Q6_K) or 32 (Q4_K, Q5_K)."""
+    return 16 if fmt == Q6_K else 32
+
+
+@always_inline
+def _x8_offset[fmt: Int](j: Int) -> Int:
+    """Where group j (0-15) of 16 activations of a block goes in `_X8.q`: natural order,
+    except Q4_K's and Q5_K's chunks of 64, which pair sub-blocks 4h + p and 4h + p + 2
+    (chunk 2h + p) as the low (p = 0) or high (p = 1) nibbles of bytes 64h .. 64h+63 hold
+    them (`_quants64`)."""
+    comptime if fmt == Q6_K:
+        return 16 * j
+    else:
+        var sb = j // 2
+        var r = sb % 4
+        return 128 * (sb // 4) + 64 * (r % 2) + 32 * (r // 2) + 16 * (j % 2)
+
+
+struct _X8[fmt: Int, terms: Int]:
+    """x[M, K] rounded to int8 per block of 256 (`q`, [M, K], chunks in `_x8_offset`'s
+    order), the blocks' scales (`d`, [M, K / 256]) and each sub-block's sum of the
+    rounded x (`sums`, [M, K / sub]). With `terms` 2, `lo` ([M, K]) rounds what is left,
+    x - d q, on the step d / 254, so that x ~ d (q + lo / 254) to about 2^-16 of the
+    block's largest."""
+
+    var q: I8Ptr
+    var lo: I8Ptr
+    var d: F32Ptr
+    var sums: F32Ptr
+
+    def __init__(out self, x: F32Ptr, M: Int, K: Int):
+        comptime SUB = _sub_elems[Self.fmt]()
+        var nb = M * K // 256
+        self.q = alloc[Int8](M * K, alignment=64)
+        self.lo = alloc[Int8](M * K if Self.terms == 2 else 1, alignment=64)
+        self.d = alloc[Float32](nb, alignment=64)
+        self.sums = alloc[Float32](M * K // SUB, alignment=64)
+        for r in range(nb):
+            var src = x + 256 * r
+            var amax = FV(0)
+            comptime for j in range(16):
+                amax = max(amax, abs(src.unsafe_load[width=16](16 * j)))
+            var top = amax.reduce_max()
+            var d = top / 127
+            var inv = Float32(127) / top if top > 0 else Float32(0)
+            self.d.unsafe_store(r, d)
+            var pair = Float32(0)
+            comptime for j in range(16):
+                var v = src.unsafe_load[width=16](16 * j)
+                var q = round(v * inv)
+                var o = 256 * r + _x8_offset[Self.fmt](j)
+                (self.q + o).unsafe_store(0, q.cast[DType.int8]())
+                var s = q.reduce_add() * d
+                comptime if Self.terms == 2:
+                    var lo = round((v - q * d) * (inv * 254))
+                    (self.lo + o).unsafe_store(0, lo.cast[DType.int8]())
+                    s += lo.reduce_add() * (d / 254)
+                comptime if SUB == 16:
+                    self.sums.unsafe_store(16 * r + j, s)
+                elif j % 2 == 0:
+                    pair = s
+                else:
+                    self.sums.unsafe_store(8 * r + j // 2, pair + s)
+
+    def free(self):
+        self.q.free()
+        self.lo.free()
+        self.d.free()
+        self.sums.free()
+
+
+@always_inline
+def _quants64[fmt: Int, c: Int](blk: U8Ptr) -> QV:
+    """Chunk c (0-3) of a K-block's quants as 64 unsigned bytes: weights 64c .. 64c+63
+    (Q6_K), or sub-blocks 4h + p and 4h + p + 2 for c = 2h + p (Q4_K, Q5_K)."""
+    comptime h = c // 2
+    comptime p = c % 2
+    comptime if fmt == Q6_K:
+        # Half h: 64 bytes of ql hold weights 128h + l in their low nibbles and 128h + 64
+        # + l in their high ones; 32 bytes of qh hold 2 high bits each for weights 128h
+        # + 32s + l in bits 2s, 2s+1: [qh, qh >> 2] puts s = 0, 1 in bits 0-1 and s = 2,
+        # 3 in bits 4-5 of 64 bytes.
+        var ql = (blk + 64 * h).unsafe_load[width=64](0)
+        var qh = (blk + 128 + 32 * h).unsafe_load[width=32](0)
+        var v = qh.join(qh >> 2)
+        comptime if p == 0:
+            return (ql & 0xF) | ((v << 4) & 0x30)
+        else:
+            return (ql >> 4) | (v & 0x30)
+    else:
+        comptime qoff = 16 if fmt == Q4_K else 48
+        var q = (blk + qoff + 64 * h).unsafe_load[width=64](0)
+        comptime if p == 0:
+            q = q & 0xF
+        else:
+            q = q >> 4
+        comptime if fmt == Q5_K:
+            # Bit j of high byte l is bit 4 of weight l of sub-block j.
+            var qh = (blk + 16).unsafe_load[width=32](0)
+            q = q | ((((qh.join(qh >> 2)) >> UInt8(4 * h + p)) & 1) << 4)
+        return q
+
+
+@always_inline
+def _spread[c: Int, fmt: Int](sc: SIMD[DType.int16, 32]) -> SIMD[DType.int16, 32]:
+    """The i16 scale of each lane of vpmaddubsw's result over chunk c (lane k holds
+    weights 2k, 2k+1 of the chunk): sub-block 4c + k / 8 (Q6_K) or 4h + p + 2 (k / 16)
+    (Q4_K, Q5_K; c = 2h + p), picked from `sc` by vpermw."""
+    var idx = WV(0)
+    comptime for k in range(32):
+        comptime if fmt == Q6_K:
+            idx[k] = Int16(4 * c + k // 8)
+        else:
+            idx[k] = Int16(4 * (c // 2) + c % 2 + 2 * (k // 16))
+    return llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](sc, idx)
+
+
+@always_inline
+def _dot8(acc: IV, q: QV, x: XV, sc: SIMD[DType.int16, 32]) -> IV:
+    """acc[l] += sum over weights 4l .. 4l+3 of q x times their pair's scale."""
+    var pairs = llvm_intrinsic["llvm.x86.avx512.pmaddubs.w.512", SIMD[DType.int16, 32]](q, x)
+    return llvm_intrinsic["llvm.x86.avx512.vpdpwssd.512", IV](acc, pairs, sc)
+
+
+@always_inline
+def _tile_vnni[fmt: Int, terms: Int, mt: Int](
+    xq: _X8[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
+):
+    """y[m0 : m0+mt, n] for a K-quant row `n`, through 8-bit integer dot products."""
+    comptime BS = block_bytes[fmt]()
+    comptime CW = 256 // _sub_elems[fmt]()
+    var nb = K // 256
+    var acc = Array[FV, mt * 1](fill=0)
+    var corr = Array[SIMD[DType.float32, CW], mt](fill=0)
+    var row = w + n * nb * BS
+    for blk in range(nb):
+        var bp = row + blk * BS
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
+        var d: Float32
+        var sc: SIMD[DType.int16, 32]
+        var coeff: SIMD[DType.float32, CW]
+        comptime if fmt == Q6_K:
+            d = _half(bp + 208)
+            var s8 = (bp + 192).unsafe_bitcast[Int8]().unsafe_load[width=16](0)
+            sc = s8.cast[DType.int16]().join(SIMD[DType.int16, 16](0))
+            coeff = rebind[SIMD[DType.float32, CW]](s8.cast[DType.float32]() * (32 * d))
+        else:
+            d = _half(bp)
+            var sm = _scales_mins_k4(bp)
+            sc = sm[0].cast[DType.int16]().join(SIMD[DType.int16, 8](0)).join(
+                SIMD[DType.int16, 16](0)
+            )
+            coeff = rebind[SIMD[DType.float32, CW]](sm[1].cast[DType.float32]() * _half(bp + 2))
+        var isum = Array[IV, mt * terms](fill=0)
+        comptime for c in range(4):
+            var q = _quants64[fmt, c](bp)
+            var s = _spread[c, fmt](sc)
+            comptime for i in range(mt):
+                var o = (m0 + i) * K + blk * 256 + 64 * c
+                isum[terms * i] = _dot8(isum[terms * i], q, (xq.q + o).unsafe_load[width=64](0), s)
+                comptime if terms == 2:
+                    var xl = (xq.lo + o).unsafe_load[width=64](0)
+                    isum[2 * i + 1] = _dot8(isum[2 * i + 1], q, xl, s)
+        comptime for i in range(mt):
+            var r = (m0 + i) * nb + blk
+            var ddx = d * xq.d.unsafe_load(r)
+            acc[i] = fma(isum[terms * i].cast[DType.float32](), FV(ddx), acc[i])
+            comptime if terms == 2:
+                acc[i] = fma(isum[2 * i + 1].cast[DType.float32](), FV(ddx / 254), acc[i])
+            var xs = xq.sums.unsafe_load[width=CW](r * CW)
+            corr[i] = fma(coeff, xs, corr[i])
+    _store_tile[mt, 1, CW](acc, corr, b, y, N, m0, n, has_bias)
+
+
+def _packed_decode_vnni[fmt: Int, terms: Int](
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    var xq = _X8[fmt, terms](x, M, K)
+
+    def task(t: Int) {imm xq, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
+        var first = t * N // ntasks
+        var last = (t + 1) * N // ntasks
+        for n in range(first, last):
+            var m0 = 0
+            while m0 + MT <= M:
+                _tile_vnni[fmt, terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
+                m0 += MT
+            comptime for rest in range(1, MT):
+                if M - m0 == rest:
+                    _tile_vnni[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
+
+    sync_parallelize(task, ntasks, ctx)
+    xq.free()
+
+
+comptime DOT_AUTO = 0
+comptime DOT_F32 = 1
+comptime DOT_BF16 = 2
+comptime DOT_INT8 = 3
+comptime DOT_INT8X2 = 4
+
+
+def decode_dot[fmt: Int, dot: Int]() -> Int:
+    """The arithmetic of a decode step: for DOT_AUTO the fastest this CPU has for the
+    format, int8 (VNNI), bfloat16 or float32; a named one if it has it, else float32
+    (the exact one: a test of a named path then holds wherever it runs)."""
+    comptime if not (fmt == Q4_K or fmt == Q5_K or fmt == Q6_K):
+        return DOT_F32
+    if dot == DOT_AUTO:
+        return DOT_INT8X2 if VNNI_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
+    if (dot == DOT_BF16 and BF16_DOT) or ((dot == DOT_INT8 or dot == DOT_INT8X2) and VNNI_DOT):
+        return dot
+    return DOT_F32
+
+
+def packed_matmul[fmt: Int, dot: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     if M > DECODE_ROWS:
         _packed_prefill[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
-    comptime if BF16_DOT and (fmt == Q4_K or fmt == Q5_K or fmt == Q6_K):
+    comptime path = decode_dot[fmt, dot]()
+    comptime if path == DOT_INT8 or path == DOT_INT8X2:
+        comptime terms = 2 if path == DOT_INT8X2 else 1
+        _packed_decode_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        return
+    elif path == DOT_BF16:
         _packed_decode_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
 

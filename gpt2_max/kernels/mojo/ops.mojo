@@ -2,7 +2,8 @@
 matmul (`kquant.mojo`).
 
 The skinny ops take float32 or float16 weights (`wdt`, bound from the weight's type),
-the packed ops GGUF blocks (`fmt`, the GGML type id, a declared parameter);
+the packed ops GGUF blocks (`fmt`, the GGML type id, a declared parameter) and
+`dot`, the decode steps' arithmetic (`kquant.decode_dot`: 0 for the CPU's fastest);
 activations, bias and output are float32 either way.
 """
 
@@ -61,7 +62,7 @@ struct SkinnyMatmul:
         )
 
 
-def _run_packed[fmt: Int](
+def _run_packed[fmt: Int, dot: Int](
     y: F32Ptr, x: F32Ptr, w: U8Ptr, b: F32Ptr,
     M: Int, K: Int, N: Int, row_bytes: Int, has_bias: Bool,
 ) raises:
@@ -71,7 +72,7 @@ def _run_packed[fmt: Int](
             " values of GGML type ", fmt,
         )
     var cpu = Optional[CpuCtx](None)
-    packed_matmul[fmt](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
+    packed_matmul[fmt, dot](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
 
 
 @extensibility.register("gpt2_packed_linear")
@@ -80,14 +81,14 @@ struct PackedLinear:
     `fmt` as the file stores them (see `kquant.mojo`)."""
 
     @staticmethod
-    def execute[fmt: Int, target: StaticString](
+    def execute[fmt: Int, dot: Int, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
         w: InputTensor[dtype=DType.uint8, rank=2, static_spec=_],
         b: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
         ctx: DeviceContext,
     ) raises:
-        _run_packed[fmt](
+        _run_packed[fmt, dot](
             rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
             rebind[U8Ptr](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
             x.dim_size(0), x.dim_size(1), w.dim_size(0), w.dim_size(1), True,
@@ -99,7 +100,7 @@ struct PackedMatmul:
     """y[M, N] = x[M, K] @ dequant(w)[N, K]^T, `w` GGUF blocks of GGML type `fmt`."""
 
     @staticmethod
-    def execute[fmt: Int, target: StaticString](
+    def execute[fmt: Int, dot: Int, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
         w: InputTensor[dtype=DType.uint8, rank=2, static_spec=_],
@@ -107,7 +108,7 @@ struct PackedMatmul:
     ) raises:
         var xp = rebind[F32Ptr](x.unsafe_ptr())
         # No bias: the kernel never reads `b` when has_bias is False.
-        _run_packed[fmt](
+        _run_packed[fmt, dot](
             rebind[F32Ptr](y.unsafe_ptr()), xp, rebind[U8Ptr](w.unsafe_ptr()), xp,
             x.dim_size(0), x.dim_size(1), w.dim_size(0), w.dim_size(1), False,
         )
