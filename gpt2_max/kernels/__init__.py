@@ -27,24 +27,33 @@ from .package import compiled_package
 
 MOJO_PACKAGE = Path(__file__).parent / "mojo"
 
+SKINNY_MAX_ROWS = 16
+"""Steps of up to this many rows (tokens of the whole batch) multiply float32 weights
+through the skinny kernel, larger ones through MAX's tiled matmul: the skinny kernel
+streams each weight once and is the faster of the two at decode sizes, the tiled one
+reuses each packed weight tile across rows and is the faster at prefill sizes. The
+linear ops read it as their `max_rows` parameter and switch as they run."""
+
 PACKED_TYPES = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 """GGUF block types the packed kernel decodes (`mojo/kquant.mojo`), by encoding name,
 with the GGML type id the kernel is specialised on."""
 
 
 def skinny_linear(x: Any, w: Any, b: Any) -> Tensor:
-    """`x @ w.T + b` for a few rows of `x`, streaming `w` once (see `mojo/skinny.mojo`).
+    """`x @ w.T + b`, streaming `w` once for up to `SKINNY_MAX_ROWS` rows of `x` (see
+    `mojo/skinny.mojo`), through MAX's tiled matmul for more (see `mojo/ops.mojo`).
 
-    `w` may be float32 or float16: the kernel widens float16 as it loads it.
+    `w` may be float32 or float16: the skinny kernel widens float16 as it loads it,
+    and takes float16 weights at every row count.
     """
     _same_features(x, w)
-    return _call("gpt2_skinny_linear", x, w, b)
+    return _call("gpt2_skinny_linear", x, w, b, max_rows=SKINNY_MAX_ROWS)
 
 
 def skinny_matmul(x: Any, w: Any) -> Tensor:
-    """`x @ w.T` for a few rows of `x` (the tied LM head)."""
+    """`x @ w.T` (the tied LM head), the kernel chosen as by `skinny_linear`."""
     _same_features(x, w)
-    return _call("gpt2_skinny_matmul", x, w)
+    return _call("gpt2_skinny_matmul", x, w, max_rows=SKINNY_MAX_ROWS)
 
 
 DOTS = {"auto": 0, "float32": 1, "bfloat16": 2, "int8": 3, "int8x2": 4}

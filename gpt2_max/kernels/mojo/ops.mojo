@@ -1,14 +1,27 @@
-"""MAX registrations of the skinny matmul (`skinny.mojo`) and the packed-weight
-matmul (`kquant.mojo`).
+"""MAX registrations of the float linear ops (`skinny.mojo`, MAX's CPU matmul) and the
+packed-weight matmul (`kquant.mojo`).
 
-The skinny ops take float32 or float16 weights (`wdt`, bound from the weight's type),
+The linear ops take float32 or float16 weights (`wdt`, bound from the weight's type),
 the packed ops GGUF blocks (`fmt`, the GGML type id, a declared parameter) and
 `dot`, the decode steps' arithmetic (`kquant.decode_dot`: 0 for the CPU's fastest);
 activations, bias and output are float32 either way.
+
+A linear op picks its kernel from the step's row count as it runs, so a graph stages
+one op per projection and serves decode and prefill alike: up to `max_rows` rows
+(declared by the caller, `kernels.SKINNY_MAX_ROWS`) the skinny kernel, which streams
+the weights once; past it, for float32 weights, MAX's tiled CPU matmul (`linalg`), the
+kernel MAX's own graph matmul runs, which reuses each packed weight tile across many
+rows. Choosing here rather than with a graph-level branch per projection saves a
+conditional's fixed cost on every projection of every decode step. Float16 weights
+stay on the skinny kernel at every size: MAX's matmul multiplies float32 by float32
+only.
 """
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
+from layout import Coord, TileTensor, coord_to_index_list
+from layout.tile_layout import row_major
+from linalg.matmul import matmul as max_matmul
 from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
@@ -16,12 +29,39 @@ from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
 from .skinny import CpuCtx, F32Ptr, WPtr, skinny_matmul
 
 
-def _run[wdt: DType](
+def _run[wdt: DType, max_rows: Int](
     y: F32Ptr, x: F32Ptr, w: WPtr[wdt], b: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ctx: DeviceContext,
 ) raises:
+    comptime if wdt == DType.float32:
+        if M > max_rows:
+            _tiled(y, x, rebind[F32Ptr](w), b, M, K, N, has_bias)
+            return
     var cpu = Optional[CpuCtx](None)
     skinny_matmul[wdt](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
+
+
+def _tiled(
+    y: F32Ptr, x: F32Ptr, w: F32Ptr, b: F32Ptr, M: Int, K: Int, N: Int, has_bias: Bool
+) raises:
+    """MAX's CPU matmul on `w` as stored (`[N, K]`, hence `transpose_b`), the bias added
+    to each tile as it is stored rather than in a second pass over `y`."""
+    var yt = TileTensor(y, row_major(Coord(M, N)))
+    var xt = TileTensor(x, row_major(Coord(M, K))).as_immut()
+    var wt = TileTensor(w, row_major(Coord(N, K))).as_immut()
+
+    @parameter
+    @always_inline
+    def add_bias[dtype: DType, width: SIMDLength, *, alignment: Int = 1](
+        coords: Coord, val: SIMD[dtype, width]
+    ) -> SIMD[dtype, width]:
+        var mn = coord_to_index_list(coords)
+        return val + b.unsafe_load[width=width](mn[1]).cast[dtype]()
+
+    if has_bias:
+        max_matmul[transpose_b=True, elementwise_compute_lambda_fn=add_bias](yt, xt, wt, None)
+    else:
+        max_matmul[transpose_b=True](yt, xt, wt, None)
 
 
 @extensibility.register("gpt2_skinny_linear")
@@ -29,14 +69,14 @@ struct SkinnyLinear:
     """y[M, N] = x[M, K] @ w[N, K]^T + b[N]."""
 
     @staticmethod
-    def execute[wdt: DType, target: StaticString](
+    def execute[wdt: DType, max_rows: Int, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
         w: InputTensor[dtype=wdt, rank=2, static_spec=_],
         b: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
         ctx: DeviceContext,
     ) raises:
-        _run[wdt](
+        _run[wdt, max_rows](
             rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
             rebind[WPtr[wdt]](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
             x.dim_size(0), x.dim_size(1), w.dim_size(0), True, ctx,
@@ -48,15 +88,15 @@ struct SkinnyMatmul:
     """y[M, N] = x[M, K] @ w[N, K]^T."""
 
     @staticmethod
-    def execute[wdt: DType, target: StaticString](
+    def execute[wdt: DType, max_rows: Int, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
         w: InputTensor[dtype=wdt, rank=2, static_spec=_],
         ctx: DeviceContext,
     ) raises:
         var xp = rebind[F32Ptr](x.unsafe_ptr())
-        # No bias: the kernel never reads `b` when has_bias is False.
-        _run[wdt](
+        # No bias: neither kernel reads `b` when has_bias is False.
+        _run[wdt, max_rows](
             rebind[F32Ptr](y.unsafe_ptr()), xp, rebind[WPtr[wdt]](w.unsafe_ptr()),
             xp, x.dim_size(0), x.dim_size(1), w.dim_size(0), False, ctx,
         )

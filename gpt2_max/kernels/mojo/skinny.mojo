@@ -8,6 +8,11 @@ A decode step multiplies a handful of rows by every weight matrix once, so its c
 streaming the weights from memory. Each task owns a contiguous band of `w`'s rows and
 reads it exactly once: for every block of `R` weight rows, all `M` input rows are
 multiplied in tiles of up to `MT` rows while the block is still in L1.
+
+That order is the fastest at a few rows and not at many, where reusing each loaded
+weight across rows matters more than streaming: the ops in `ops.mojo` hand float32
+steps of more rows than their `max_rows` to MAX's tiled matmul instead, so many rows
+reach this kernel only through float16 weights, which MAX's matmul cannot take.
 """
 
 from std.math import fma
