@@ -1,6 +1,6 @@
 """A linear layer over GGUF-packed weights, through MAX's quantized CPU kernels
 or, for block types MAX has none for (Q5_K), the package's (`kernels/mojo/kquant.mojo`,
-float32 activations, the blocks as the file stores them).
+the blocks as the file stores them).
 
 ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
