@@ -57,7 +57,7 @@ def skinny_matmul(x: Any, w: Any) -> Tensor:
 
 
 DOTS = {"auto": 0, "float32": 1, "bfloat16": 2, "int8": 3, "int8x2": 4}
-"""The packed kernel's arithmetic at decode rows (`mojo/kquant.mojo`'s `decode_dot`):
+"""The packed kernel's arithmetic, at every row count (`mojo/kquant.mojo`'s `dot_path`):
 "auto" is the fastest the CPU has for the format; a named one the CPU or format lacks
 falls back to float32. Naming one is for tests and benchmarks, which compare them."""
 

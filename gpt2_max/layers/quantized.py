@@ -47,8 +47,8 @@ MAX_KERNEL_ENCODINGS = frozenset(QuantizationEncoding[name.upper()] for name in 
 
 Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps about
 as fast (`benchmarks/bench_packed.py`): a weight's kernel serves every step size, and
-the package's prefill (blocks decoded to float32) is several times slower than
-`qmatmul`'s integer one."""
+the package's prefill (each weight row decoded again per tile of input rows, so that
+every row count runs one arithmetic) is several times slower than `qmatmul`'s."""
 
 
 def has_max_kernel(encoding: QuantizationEncoding) -> bool:

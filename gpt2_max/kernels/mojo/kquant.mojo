@@ -1,4 +1,4 @@
-"""Packed-weight matmul for decode steps: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ b[N]).
+"""Packed-weight matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ b[N]).
 
 `W` is a GGUF tensor as the file stores it: row `n` is the `K / QK` blocks of output
 feature `n`, `BYTES` bytes each, in ggml's block layout (no repack). `x`, `b` and `y`
@@ -7,11 +7,14 @@ are float32.
 At a few rows a step costs the bytes of `W`, so the work split follows `skinny.mojo`:
 each task owns a contiguous band of weight rows and streams it once; each block is
 decoded once per tile of up to `MT` input rows and multiplied into per-row
-accumulators while its bytes are in L1. Past `DECODE_ROWS` rows (a prefill) decoding
-per row tile would repeat M / MT times, so bands of weight rows are decoded once into
-float32 and multiplied with `skinny.mojo`'s register tiles, in float32.
+accumulators while its bytes are in L1. Many rows (a prefill) take the same path in
+chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a kernel
+that decodes a band once for all rows, but every row count runs one arithmetic, and a
+request's rows come out bit for bit the same whatever they are batched with (a
+decode row beside another request's prefill chunk, or alone). With activations
+rounded to int8 a prefill-only arithmetic would change a batched request's tokens.
 
-The decode rows' arithmetic (`decode_dot`; the ops' `dot` parameter names one for
+The arithmetic (`dot_path`; the ops' `dot` parameter names one for
 tests and benchmarks, DOT_AUTO is what the model runs) is, for the K-quants, the
 fastest the CPU has that keeps the float result:
 - int8x2 (AVX-512 VNNI: Zen 4, Cascade Lake and later Xeons): x rounded to int8 per
@@ -37,8 +40,7 @@ from std.sys.intrinsics import PrefetchOptions, llvm_intrinsic, prefetch
 
 from max.algorithm import sync_parallelize
 
-from .skinny import R as SR
-from .skinny import CpuCtx, F32Ptr, _block
+from .skinny import CpuCtx, F32Ptr
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime V = 16
@@ -47,20 +49,15 @@ comptime FV = SIMD[DType.float32, V]
 comptime MT = 4
 """Input rows per register tile: each decoded group is used MT times."""
 comptime MC = 64
-"""Prefill: input rows per pass over a decoded band (they stay in L2 meanwhile)."""
-comptime DECODE_ROWS = 16
-"""Up to this many input rows, weights are decoded in registers per row tile;
-beyond it (a prefill), once per band into a float32 buffer."""
-comptime BAND = 16
-"""Prefill: weight rows decoded together (BAND * K floats, in L2)."""
+"""Input rows per pass over a task's weight rows (their activations stay in L2)."""
 
 comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
-Lake): K-quant decode steps then multiply in bfloat16 pairs (`_tile_bf16`), else by
+Lake): K-quant rows then multiply in bfloat16 pairs (`_tile_bf16`), else by
 widening every weight to float32 (`_tile`)."""
 comptime VNNI_DOT = CompilationTarget._has_feature["avx512vnni"]()
 """Whether the CPU has AVX-512 VNNI (Zen 4, Cascade Lake and later Xeons): K-quant
-decode steps then round x to 8 bits and multiply in integers (`_tile_vnni`)."""
+rows then round x to 8 bits and multiply in integers (`_tile_vnni`)."""
 comptime BV = SIMD[DType.bfloat16, 32]
 comptime WV = SIMD[DType.int16, 32]
 comptime BPtr = UnsafePointer[BFloat16, MutUntrackedOrigin]
@@ -203,34 +200,20 @@ def _tile[fmt: Int, mt: Int](
 
 @always_inline
 def _row[fmt: Int](
-    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr, M: Int, K: Int, N: Int, n: Int, has_bias: Bool,
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
 ):
-    """All M input rows against weight row n."""
-    var m0 = 0
-    while m0 + MT <= M:
+    """Input rows m_begin : m_end against weight row n, in tiles of up to MT rows."""
+    var m0 = m_begin
+    while m0 + MT <= m_end:
         _tile[fmt, MT](x, w, b, y, K, N, m0, n, has_bias)
         m0 += MT
     comptime for rest in range(1, MT):
-        if M - m0 == rest:
+        if m_end - m0 == rest:
             _tile[fmt, rest](x, w, b, y, K, N, m0, n, has_bias)
 
 
-@always_inline
-def _decode_rows[fmt: Int](w: U8Ptr, K: Int, n0: Int, rows: Int, dst: F32Ptr):
-    """Weight rows n0 : n0+rows, dequantized into `dst` ([rows, K] float32)."""
-    comptime QK = block_elems[fmt]()
-    comptime BS = block_bytes[fmt]()
-    for r in range(rows):
-        var row = w + (n0 + r) * (K // QK) * BS
-        for blk in range(K // QK):
-            comptime for g in range(QK // 32):
-                var ws = _decode[fmt, g](row + blk * BS)
-                var o = dst + r * K + blk * QK + 32 * g
-                o.unsafe_store(0, ws[0])
-                o.unsafe_store(V, ws[1])
-
-
-# ---- decode steps through bfloat16 dot products (K-quants) ---------------------------
+# ---- K-quant rows through bfloat16 dot products ------------------------------------
 #
 # x is split once per call into two bfloat16 halves, hi = bf16(x) and lo = bf16(x - hi),
 # together x to about 2^-17 relative (`_XPrep`). A weight's quant q becomes the bfloat16
@@ -501,24 +484,25 @@ def _tile_bf16[fmt: Int, mt: Int](
 
 @always_inline
 def _row_bf16[fmt: Int](
-    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr, M: Int, K: Int, N: Int, n: Int, has_bias: Bool,
+    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
 ):
-    var m0 = 0
-    while m0 + MT <= M:
+    var m0 = m_begin
+    while m0 + MT <= m_end:
         comptime if fmt == Q4_K:
             _tile_q4k[MT](xp, w, b, y, K, N, m0, n, has_bias)
         else:
             _tile_bf16[fmt, MT](xp, w, b, y, K, N, m0, n, has_bias)
         m0 += MT
     comptime for rest in range(1, MT):
-        if M - m0 == rest:
+        if m_end - m0 == rest:
             comptime if fmt == Q4_K:
                 _tile_q4k[rest](xp, w, b, y, K, N, m0, n, has_bias)
             else:
                 _tile_bf16[fmt, rest](xp, w, b, y, K, N, m0, n, has_bias)
 
 
-def _packed_decode_bf16[fmt: Int](
+def _packed_bf16[fmt: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
@@ -527,14 +511,15 @@ def _packed_decode_bf16[fmt: Int](
     def task(t: Int) {imm xp, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
         var first = t * N // ntasks
         var last = (t + 1) * N // ntasks
-        for n in range(first, last):
-            _row_bf16[fmt](xp, w, b, y, M, K, N, n, has_bias)
+        for c0 in range(0, M, MC):
+            for n in range(first, last):
+                _row_bf16[fmt](xp, w, b, y, K, N, c0, min(c0 + MC, M), n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)
     xp.free()
 
 
-# ---- decode steps through 8-bit integer dot products (K-quants) ----------------------
+# ---- K-quant rows through 8-bit integer dot products --------------------------------
 #
 # x is rounded once per call to int8 per block of 256 (`_X8`: x ~ dx q8, dx = max |x| /
 # 127), as ggml's Q8_K does, with the sums dx * sum(q8) per sub-block. A weight's quant
@@ -734,7 +719,21 @@ def _tile_vnni[fmt: Int, terms: Int, mt: Int](
     _store_tile[mt, 1, CW](acc, corr, b, y, N, m0, n, has_bias)
 
 
-def _packed_decode_vnni[fmt: Int, terms: Int](
+@always_inline
+def _row_vnni[fmt: Int, terms: Int](
+    xq: _X8[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
+):
+    var m0 = m_begin
+    while m0 + MT <= m_end:
+        _tile_vnni[fmt, terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
+        m0 += MT
+    comptime for rest in range(1, MT):
+        if m_end - m0 == rest:
+            _tile_vnni[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
+
+
+def _packed_vnni[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
@@ -743,14 +742,9 @@ def _packed_decode_vnni[fmt: Int, terms: Int](
     def task(t: Int) {imm xq, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
         var first = t * N // ntasks
         var last = (t + 1) * N // ntasks
-        for n in range(first, last):
-            var m0 = 0
-            while m0 + MT <= M:
-                _tile_vnni[fmt, terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
-                m0 += MT
-            comptime for rest in range(1, MT):
-                if M - m0 == rest:
-                    _tile_vnni[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
+        for c0 in range(0, M, MC):
+            for n in range(first, last):
+                _row_vnni[fmt, terms](xq, w, b, y, K, N, c0, min(c0 + MC, M), n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)
     xq.free()
@@ -763,8 +757,8 @@ comptime DOT_INT8 = 3
 comptime DOT_INT8X2 = 4
 
 
-def decode_dot[fmt: Int, dot: Int]() -> Int:
-    """The arithmetic of a decode step: for DOT_AUTO the fastest this CPU has for the
+def dot_path[fmt: Int, dot: Int]() -> Int:
+    """The arithmetic of every step: for DOT_AUTO the fastest this CPU has for the
     format, int8 (VNNI), bfloat16 or float32; a named one if it has it, else float32
     (the exact one: a test of a named path then holds wherever it runs)."""
     comptime if not (fmt == Q4_K or fmt == Q5_K or fmt == Q6_K):
@@ -780,58 +774,20 @@ def packed_matmul[fmt: Int, dot: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    if M > DECODE_ROWS:
-        _packed_prefill[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
-        return
-    comptime path = decode_dot[fmt, dot]()
+    comptime path = dot_path[fmt, dot]()
     comptime if path == DOT_INT8 or path == DOT_INT8X2:
         comptime terms = 2 if path == DOT_INT8X2 else 1
-        _packed_decode_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        _packed_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
     elif path == DOT_BF16:
-        _packed_decode_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        _packed_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
 
     def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
         var first = t * N // ntasks
         var last = (t + 1) * N // ntasks
-        for n in range(first, last):
-            _row[fmt](x, w, b, y, M, K, N, n, has_bias)
-
-    sync_parallelize(task, ntasks, ctx)
-
-
-def _packed_prefill[fmt: Int](
-    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
-) raises:
-    """Many rows: each band of `BAND` weight rows is decoded once into a float32
-    buffer (in L2) and multiplied by every input row with the skinny kernel's tiles."""
-
-    def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
-        var nbands = (N + BAND - 1) // BAND
-        var first = t * nbands // ntasks
-        var last = (t + 1) * nbands // ntasks
-        var buf = alloc[Float32](BAND * K, alignment=64)
-        for band in range(first, last):
-            var n0 = band * BAND
-            var rows = min(BAND, N - n0)
-            _decode_rows[fmt](w, K, n0, rows, buf)
-            for m0 in range(0, M, MC):
-                var mc = min(MC, M - m0)
-                var j = 0
-                while j + SR <= rows:
-                    _block[DType.float32, SR](
-                        x + m0 * K, buf + j * K, b + n0 + j, y + m0 * N + n0 + j,
-                        mc, K, N, 0, has_bias,
-                    )
-                    j += SR
-                while j < rows:
-                    _block[DType.float32, 1](
-                        x + m0 * K, buf + j * K, b + n0 + j, y + m0 * N + n0 + j,
-                        mc, K, N, 0, has_bias,
-                    )
-                    j += 1
-        buf.free()
+        for c0 in range(0, M, MC):
+            for n in range(first, last):
+                _row[fmt](x, w, b, y, K, N, c0, min(c0 + MC, M), n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)

@@ -3,7 +3,7 @@ packed-weight matmul (`kquant.mojo`).
 
 The linear ops take float32 or float16 weights (`wdt`, bound from the weight's type),
 the packed ops GGUF blocks (`fmt`, the GGML type id, a declared parameter) and
-`dot`, the decode steps' arithmetic (`kquant.decode_dot`: 0 for the CPU's fastest);
+`dot`, the arithmetic (`kquant.dot_path`: 0 for the CPU's fastest);
 activations, bias and output are float32 either way.
 
 A linear op picks its kernel from the step's row count as it runs, so a graph stages
