@@ -296,4 +296,7 @@ def paged_attention[D: Int](
         kt.free()
         inv.free()
 
-    sync_parallelize(task, ntasks, ctx)
+    if ntasks == 1:
+        task(0)
+    else:
+        sync_parallelize(task, ntasks, ctx)
