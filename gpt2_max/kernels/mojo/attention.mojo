@@ -10,20 +10,21 @@ The cache is MAX's paged layout: `kv_blocks[page, k_or_v, layer, slot, kv_head, 
 pages `page_stride` elements apart (`-1`: packed), key `j` of sequence `b` in page
 `lookup_table[b, j / page_size]` at slot `j % page_size`.
 
-The work is one unit per (sequence, head), spread over the CPU's threads when there is
-enough of it; a decode step's handful of dot products runs on the calling thread, since
-waking workers would cost more than the arithmetic. A unit computes each query's whole
-score row, its softmax in two passes (maximum, then exponentials and their sum), and the
-probability-weighted sum of the values, so no running rescale is needed:
+A query computes its whole score row, its softmax in two passes (maximum, then
+exponentials and their sum) and the probability-weighted sum of the values, so no
+running rescale is needed. Steps with little work (a decode step over a short cache)
+run on the calling thread, since waking workers would cost more than they share;
+larger ones spread their units over the threads:
 
-- with few queries (decode), a score is a dot product of the query, held in registers,
-  with the key as the cache stores it;
-- with many (prefill), the unit first copies its head's keys into a dimension-major
-  scratch (`kt[d, j]`), so a tile of queries times sixteen keys is sixteen lanes of
-  broadcast multiply-adds per dimension, with no horizontal sums; the copy is paid once
-  per (sequence, head) and shared by all its queries.
-
-The values are read in place, one row per key, into a register tile of output rows.
+- a sequence with few query rows (decode) is one unit per range of heads (all heads,
+  unless there are fewer such sequences than threads): each score is a dot product
+  with the key where the cache stores it, reading whole cache rows (every head of a
+  slot) so the layer's keys, then its values, stream through once per query row;
+- a sequence with many (prefill) is one unit per head, which first copies the head's
+  keys into a dimension-major scratch (`kt[d, j]`), so a tile of queries times sixteen
+  keys is sixteen lanes of broadcast multiply-adds per dimension, with no horizontal
+  sums; the copy is paid once per (sequence, head) and shared by all its queries. Its
+  values are read in place into a register tile of output rows.
 """
 
 from std.math import exp, fma
@@ -214,32 +215,60 @@ def _many_queries[D: Int](
 
 def _few_queries[D: Int](
     o: F32Ptr, q: F32Ptr, ld: Int, nq: Int, cache: Int, pages: Pages, scale: Float32,
-    s: F32Ptr, inv: F32Ptr,
+    h0: Int, h1: Int, group: Int, s: F32Ptr, lds: Int, inv: F32Ptr, acc: F32Ptr,
 ):
-    """A (sequence, head)'s `nq` query rows, each scored by dot products with the keys
-    where the cache holds them."""
+    """A sequence's `nq` query rows for heads `h0 : h1` (`q` and `o` at head 0 of the
+    first row, rows `ld` apart), each score a dot product with the key where the cache
+    holds it. Keys and values are read one cache row (every head of a slot) at a time,
+    so the cache streams through once per query row rather than once per head; the
+    value sums build up in `acc` ([heads, D], in L1)."""
     comptime W = _lanes[D]()
     comptime NV = D // W
+    var heads = h1 - h0
     for i in range(nq):
         var n = cache + i + 1
-        var qv = Array[SIMD[DType.float32, W], NV](fill=0)
-        comptime for c in range(NV):
-            qv[c] = q.unsafe_load[width=W](i * ld + c * W)
+        var qi = q + i * ld
         var j0 = 0
         var page = 0
         while j0 < n:
             var cnt = min(pages.page_size, n - j0)
             var k = pages.key(page, 0)
             for slot in range(cnt):
-                var kp = k + slot * pages.row
-                var acc = qv[0] * kp.unsafe_load[width=W](0)
-                comptime for c in range(1, NV):
-                    acc = fma(qv[c], kp.unsafe_load[width=W](c * W), acc)
-                s.unsafe_store(j0 + slot, acc.reduce_add() * scale)
+                var kr = k + slot * pages.row
+                for g in range(heads):
+                    var h = h0 + g
+                    var qp = qi + h * D
+                    var kp = kr + (h // group) * D
+                    var a = qp.unsafe_load[width=W](0) * kp.unsafe_load[width=W](0)
+                    comptime for c in range(1, NV):
+                        a = fma(qp.unsafe_load[width=W](c * W), kp.unsafe_load[width=W](c * W), a)
+                    s.unsafe_store(g * lds + j0 + slot, a.reduce_add() * scale)
             j0 += cnt
             page += 1
-        inv.unsafe_store(0, _softmax_row(s, n, n))
-        _weighted_values[D, 1](o + i * ld, ld, s, 0, inv, n, pages)
+        for g in range(heads):
+            inv.unsafe_store(g, _softmax_row(s + g * lds, n, n))
+        for e in range(0, heads * D, W):
+            acc.unsafe_store(e, SIMD[DType.float32, W](0))
+        j0 = 0
+        page = 0
+        while j0 < n:
+            var cnt = min(pages.page_size, n - j0)
+            var v = pages.value(page, 0)
+            for slot in range(cnt):
+                var vr = v + slot * pages.row
+                for g in range(heads):
+                    var vp = vr + ((h0 + g) // group) * D
+                    var p = SIMD[DType.float32, W](s.unsafe_load(g * lds + j0 + slot))
+                    var ap = acc + g * D
+                    comptime for c in range(NV):
+                        ap.unsafe_store(c * W, fma(p, vp.unsafe_load[width=W](c * W), ap.unsafe_load[width=W](c * W)))
+            j0 += cnt
+            page += 1
+        for g in range(heads):
+            var scale_g = inv.unsafe_load(g)
+            comptime for c in range(NV):
+                var e = g * D + c * W
+                o.unsafe_store(i * ld + h0 * D + e, acc.unsafe_load[width=W](e) * scale_g)
 
 
 def paged_attention[D: Int](
@@ -248,55 +277,90 @@ def paged_attention[D: Int](
     cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32,
     max_tasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    """Attention of every query row of `q` ([rows, H, D]) into `o`, see the module doc."""
+    """Attention of every query row of `q` ([rows, H, D]) into `o`, see the module doc.
+
+    A unit of work is one head of a sequence with many query rows, or a range of heads
+    of one with few: all of them when there are at least as many such sequences as
+    tasks, else a task's share, so a single decode row still spreads over the threads."""
     var row = Hkv * D
     var v_off = L * page_size * row
-    var layer_off = layer * page_size * row
+    var layer_base = blocks + layer * page_size * row
     var group = H // Hkv
     var most_keys = 0
     var work = 0
+    var few = 0
     for b in range(B):
         var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
         var n = Int(cache_lengths.unsafe_load(b)) + nq
         if nq:
             most_keys = max(most_keys, n)
+        if nq and nq < FEW:
+            few += 1
         work += nq * n
     var ldk = ((most_keys + KW - 1) // KW) * KW
-    var units = B * H
-    var ntasks = 1 if work * H * D < SERIAL_WORK else max(1, min(max_tasks, units))
+    var ntasks = 1 if work * H * D < SERIAL_WORK else max(1, max_tasks)
+    var splits = max(1, min(H, ntasks // max(1, few)))
+    # first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1].
+    var first_unit = alloc[Int](B + 1)
+    first_unit.unsafe_store(0, 0)
+    for b in range(B):
+        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
+        var count = 0 if nq == 0 else (splits if nq < FEW else H)
+        first_unit.unsafe_store(b + 1, first_unit.unsafe_load(b) + count)
+    var units = first_unit.unsafe_load(B)
+    ntasks = min(ntasks, max(1, units))
 
     def task(t: Int) {
-        imm o, imm q, imm offsets, imm H, imm blocks, imm page_elems, imm page_size,
-        imm layer_off, imm row, imm v_off, imm group, imm cache_lengths, imm lut,
-        imm lut_cols, imm scale, imm ldk, imm units, imm ntasks,
+        imm o, imm q, imm offsets, imm B, imm H, imm layer_base, imm page_elems,
+        imm page_size, imm row, imm v_off, imm group, imm cache_lengths, imm lut,
+        imm lut_cols, imm scale, imm ldk, imm units, imm ntasks, imm first_unit, imm splits,
     }:
-        var s = alloc[Float32](QT * ldk + KW, alignment=64)
+        var s = alloc[Float32](max(QT, H) * ldk + KW, alignment=64)
         var kt = alloc[Float32](D * ldk + KW, alignment=64)
-        var inv = alloc[Float32](QT, alignment=64)
+        var inv = alloc[Float32](max(QT, H), alignment=64)
+        var acc = alloc[Float32](H * D, alignment=64)
         for u in range(t, units, ntasks):
-            var b = u // H
-            var h = u % H
+            # The sequence owning unit u: the last b with first_unit[b] <= u.
+            var lo = 0
+            var hi = B
+            while hi - lo > 1:
+                var mid = (lo + hi) // 2
+                if first_unit.unsafe_load(mid) <= u:
+                    lo = mid
+                else:
+                    hi = mid
+            var b = lo
+            while first_unit.unsafe_load(b + 1) <= u:
+                b += 1
+            var k = u - first_unit.unsafe_load(b)
             var first = Int(offsets.unsafe_load(b))
             var nq = Int(offsets.unsafe_load(b + 1)) - first
-            if nq == 0:
-                continue
             var cache = Int(cache_lengths.unsafe_load(b))
-            var pages = Pages(
-                blocks + layer_off + (h // group) * D, lut + b * lut_cols,
-                page_elems, page_size, row, v_off,
-            )
-            var at = first * H * D + h * D
+            var at = first * H * D
             if nq < FEW:
-                _few_queries[D](o + at, q + at, H * D, nq, cache, pages, scale, s, inv)
+                var pages = Pages(
+                    layer_base, lut + b * lut_cols, page_elems, page_size, row, v_off
+                )
+                _few_queries[D](
+                    o + at, q + at, H * D, nq, cache, pages, scale,
+                    k * H // splits, (k + 1) * H // splits, group, s, ldk, inv, acc,
+                )
             else:
+                var pages = Pages(
+                    layer_base + (k // group) * D, lut + b * lut_cols,
+                    page_elems, page_size, row, v_off,
+                )
                 _many_queries[D](
-                    o + at, q + at, H * D, nq, cache, pages, scale, s, kt, ldk, inv
+                    o + at + k * D, q + at + k * D, H * D, nq, cache, pages, scale,
+                    s, kt, ldk, inv,
                 )
         s.free()
         kt.free()
         inv.free()
+        acc.free()
 
     if ntasks == 1:
         task(0)
     else:
         sync_parallelize(task, ntasks, ctx)
+    first_unit.free()
