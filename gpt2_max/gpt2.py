@@ -19,18 +19,15 @@ from max.driver import CPU
 from max.dtype import DType
 from max.experimental import functional as F
 from max.experimental.nn import Module
-from max.experimental.nn.common_layers.functional_kernels import (
-    flash_attention_ragged,
-)
 from max.experimental.nn.norm import LayerNorm
 from max.experimental.nn.sequential import ModuleList
 from max.experimental.tensor import Tensor
 from max.nn import kernels
-from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
+from .kernels import paged_attention
 from .layers import Layers
 from .model_config import GPT2ArchConfig
 from .shims.internals import graph_value
@@ -61,7 +58,6 @@ class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
     def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
-        self.kv_params = config.kv_params
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
@@ -78,14 +74,8 @@ class GPT2Attention(Module[..., Tensor]):
         q, k, v = F.split(self.c_attn(x), [self.num_heads * self.head_dim] * 3, axis=1)
         store_k_cache_ragged(kv_collection, k.reshape(heads), input_row_offsets, layer_idx)
         store_v_cache_ragged(kv_collection, v.reshape(heads), input_row_offsets, layer_idx)
-        attn = flash_attention_ragged(
-            self.kv_params,
-            input=q.reshape(heads),
-            input_row_offsets=input_row_offsets,
-            kv_collection=kv_collection,
-            layer_idx=layer_idx,
-            mask_variant=MHAMaskVariant.CAUSAL_MASK,
-            scale=self.scale,
+        attn = paged_attention(
+            q.reshape(heads), input_row_offsets, kv_collection, layer_idx, self.scale
         )
         return self.c_proj(attn.reshape([-1, self.num_heads * self.head_dim]))
 

@@ -72,6 +72,26 @@ def packed_matmul(encoding: str, x: Any, w: Any, *, dot: str = "auto") -> Tensor
     return _call("gpt2_packed_matmul", x, w, fmt=PACKED_TYPES[encoding], dot=DOTS[dot])
 
 
+def paged_attention(
+    q: Any, input_row_offsets: Any, kv_collection: Any, layer_idx: Any, scale: float
+) -> Tensor:
+    """Causal attention of `q` (`[tokens, heads, head_dim]`, a ragged batch) over layer
+    `layer_idx` of the paged KV cache, which already holds the step's keys and values
+    (see `mojo/attention.mojo`); `[tokens, heads, head_dim]` like `q`."""
+    cpu = DeviceRef.CPU()
+    out = TensorType(DType.float32, list(q.shape), DeviceRef.from_device(q.device))
+    values = [
+        q, input_row_offsets, kv_collection.kv_blocks, kv_collection.page_stride,
+        kv_collection.cache_lengths, kv_collection.lookup_table, layer_idx,
+        F.constant(scale, DType.float32, device=cpu),
+    ]
+    return F.inplace_custom(
+        "gpt2_paged_attention", q.device, values, [out],
+        parameters={"head_dim": int(q.shape[2])},
+        custom_extensions=[compiled_package(MOJO_PACKAGE)],
+    )[0]
+
+
 def _same_features(x: Any, w: Any) -> None:
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features per row, w {w.shape[1]}")

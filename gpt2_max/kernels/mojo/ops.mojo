@@ -1,5 +1,6 @@
-"""MAX registrations of the float linear ops (`skinny.mojo`, MAX's CPU matmul) and the
-packed-weight matmul (`kquant.mojo`).
+"""MAX registrations of the float linear ops (`skinny.mojo`, MAX's CPU matmul), the
+packed-weight matmul (`kquant.mojo`) and attention over the paged KV cache
+(`attention.mojo`).
 
 The linear ops take float32 or float16 weights (`wdt`, bound from the weight's type),
 the packed ops GGUF blocks (`fmt`, the GGML type id, a declared parameter) and
@@ -19,12 +20,14 @@ only.
 
 import extensibility
 from extensibility import InputTensor, OutputTensor
+from extensibility import _MutableInputTensor as MutableInputTensor
 from layout import Coord, TileTensor, coord_to_index_list
 from layout.tile_layout import row_major
 from linalg.matmul import matmul as max_matmul
 from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
+from .attention import U32Ptr, paged_attention
 from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
 from .skinny import CpuCtx, F32Ptr, WPtr, skinny_matmul
 
@@ -151,4 +154,42 @@ struct PackedMatmul:
         _run_packed[fmt, dot](
             rebind[F32Ptr](y.unsafe_ptr()), xp, rebind[U8Ptr](w.unsafe_ptr()), xp,
             x.dim_size(0), x.dim_size(1), w.dim_size(0), w.dim_size(1), False,
+        )
+
+
+@extensibility.register("gpt2_paged_attention")
+struct PagedAttention:
+    """y[t, h] = causal attention of q[t, h] over layer `layer_idx` of MAX's paged KV
+    cache (see `attention.mojo`). The cache is an in-place operand, so the graph orders
+    this op after the stores that wrote the step's keys and values."""
+
+    @staticmethod
+    def execute[head_dim: Int, target: StaticString](
+        y: OutputTensor[dtype=DType.float32, rank=3, static_spec=_],
+        q: InputTensor[dtype=DType.float32, rank=3, static_spec=_],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, static_spec=_],
+        kv_blocks: MutableInputTensor[dtype=DType.float32, rank=6, static_spec=_],
+        page_stride: InputTensor[dtype=DType.int64, rank=1, static_spec=_],
+        cache_lengths: InputTensor[dtype=DType.uint32, rank=1, static_spec=_],
+        lookup_table: InputTensor[dtype=DType.uint32, rank=2, static_spec=_],
+        layer_idx: UInt32,
+        scale: Float32,
+        ctx: DeviceContext,
+    ) raises:
+        if q.dim_size(2) != head_dim or kv_blocks.dim_size(5) != head_dim:
+            raise Error("attention heads of ", q.dim_size(2), " values, cache heads of ",
+                        kv_blocks.dim_size(5), ", op built for ", head_dim)
+        if kv_blocks.dim_size(1) != 2 or q.dim_size(1) % kv_blocks.dim_size(4):
+            raise Error("the cache holds no separate keys and values for these heads")
+        var stride = Int(page_stride.unsafe_ptr().load(0))
+        var page_elems = 2 * kv_blocks.dim_size(2) * kv_blocks.dim_size(3) * kv_blocks.dim_size(4) * head_dim
+        var cpu = Optional[CpuCtx](None)
+        paged_attention[head_dim](
+            rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](q.unsafe_ptr()),
+            rebind[U32Ptr](input_row_offsets.unsafe_ptr()), input_row_offsets.dim_size(0) - 1,
+            q.dim_size(1), rebind[F32Ptr](kv_blocks.unsafe_ptr()),
+            page_elems if stride < 0 else stride, kv_blocks.dim_size(2), kv_blocks.dim_size(3),
+            kv_blocks.dim_size(4), Int(layer_idx), rebind[U32Ptr](cache_lengths.unsafe_ptr()),
+            rebind[U32Ptr](lookup_table.unsafe_ptr()), lookup_table.dim_size(1), scale,
+            max(1, parallelism_level(cpu)), cpu,
         )

@@ -1,0 +1,366 @@
+"""Causal self-attention over MAX's paged KV cache for a ragged batch, CPU, float32.
+
+Query `i` of sequence `b` (row `input_row_offsets[b] + i` of `q`) sits at position
+`cache_lengths[b] + i`: `store_k/v_cache_ragged` have already written the step's own
+keys and values behind the `cache_lengths[b]` the cache held before it, so the query
+attends to keys `0 ..= cache_lengths[b] + i`. That one rule serves decode (one query
+per sequence), prefill, chunked prefill and prefix-cache hits alike.
+
+The cache is MAX's paged layout: `kv_blocks[page, k_or_v, layer, slot, kv_head, dim]`,
+pages `page_stride` elements apart (`-1`: packed), key `j` of sequence `b` in page
+`lookup_table[b, j / page_size]` at slot `j % page_size`.
+
+A query computes its whole score row, its softmax in two passes (maximum, then
+exponentials and their sum) and the probability-weighted sum of the values, so no
+running rescale is needed. Steps with little work (a decode step over a short cache)
+run on the calling thread, since waking workers would cost more than they share;
+larger ones spread their units over the threads:
+
+- a sequence with few query rows (decode) is one unit per range of heads (all heads,
+  unless there are fewer such sequences than threads): each score is a dot product
+  with the key where the cache stores it, reading whole cache rows (every head of a
+  slot) so the layer's keys, then its values, stream through once per query row;
+- a sequence with many (prefill) is one unit per head, which first copies the head's
+  keys into a dimension-major scratch (`kt[d, j]`), so a tile of queries times sixteen
+  keys is sixteen lanes of broadcast multiply-adds per dimension, with no horizontal
+  sums; the copy is paid once per (sequence, head) and shared by all its queries. Its
+  values are read in place into a register tile of output rows.
+"""
+
+from std.math import exp, fma
+
+from max.algorithm import sync_parallelize
+
+from .skinny import CpuCtx, F32Ptr
+
+comptime U32Ptr = UnsafePointer[UInt32, MutUntrackedOrigin]
+comptime KW = 16
+"""Keys per score vector on the prefill path."""
+comptime QT = 8
+"""Queries per score tile on the prefill path: each loaded key vector serves QT rows."""
+comptime FEW = 8
+"""A (sequence, head) with fewer queries than this scores them by dot products."""
+comptime SERIAL_WORK = 1 << 17
+"""Below this many multiply-adds (query-key pairs times head_dim, whole batch) a step
+runs on the calling thread."""
+
+
+def _lanes[D: Int]() -> Int:
+    """The widest vector (up to 16 float32 lanes) that divides a head."""
+    if D % 16 == 0:
+        return 16
+    if D % 8 == 0:
+        return 8
+    if D % 4 == 0:
+        return 4
+    if D % 2 == 0:
+        return 2
+    return 1
+
+
+@fieldwise_init
+struct Pages(ImplicitlyCopyable, Movable):
+    """Where one (sequence, kv head, layer)'s keys and values lie in the paged cache."""
+
+    var blocks: F32Ptr
+    """The first element of this layer and kv head's keys in page 0."""
+    var lut: U32Ptr
+    """The sequence's row of the lookup table."""
+    var page_elems: Int
+    var page_size: Int
+    var row: Int
+    """Elements from one slot to the next (kv heads times head_dim)."""
+    var v_off: Int
+    """Elements from a key to its value (layers times one layer's page)."""
+
+    @always_inline
+    def key(self, page: Int, slot: Int) -> F32Ptr:
+        """Key `slot` of the sequence's `page`-th page (a lookup table column)."""
+        var p = Int(self.lut.unsafe_load(page))
+        return self.blocks + p * self.page_elems + slot * self.row
+
+    @always_inline
+    def value(self, page: Int, slot: Int) -> F32Ptr:
+        return self.key(page, slot) + self.v_off
+
+
+@always_inline
+def _softmax_row(s: F32Ptr, n: Int, n_end: Int) -> Float32:
+    """Exponentiates scores `s[0 : n]` relative to their maximum in place, zeroes
+    `s[n : n_end]` (keys after the query, read by the value tile), and returns one
+    over the sum of the exponentials."""
+    var nv = (n // KW) * KW
+    var m = s.unsafe_load(0)
+    if nv:
+        var mv = s.unsafe_load[width=KW](0)
+        for j in range(KW, nv, KW):
+            mv = max(mv, s.unsafe_load[width=KW](j))
+        m = mv.reduce_max()
+    for j in range(nv, n):
+        m = max(m, s.unsafe_load(j))
+    var acc = SIMD[DType.float32, KW](0)
+    for j in range(0, nv, KW):
+        var e = exp(s.unsafe_load[width=KW](j) - m)
+        s.unsafe_store(j, e)
+        acc += e
+    var total = acc.reduce_add()
+    for j in range(nv, n):
+        var e = exp(s.unsafe_load(j) - m)
+        s.unsafe_store(j, e)
+        total += e
+    for j in range(n, n_end):
+        s.unsafe_store(j, 0)
+    return 1 / total
+
+
+@always_inline
+def _weighted_values[D: Int, pt: Int](
+    o: F32Ptr, ldo: Int, s: F32Ptr, lds: Int, inv: F32Ptr, n: Int, pages: Pages
+):
+    """o[r] = inv[r] * sum_j s[r, j] * V[j] for rows r < pt over keys j < n."""
+    comptime W = _lanes[D]()
+    comptime NV = D // W
+    var acc = Array[SIMD[DType.float32, W], pt * NV](fill=0)
+    var j0 = 0
+    var page = 0
+    while j0 < n:
+        var cnt = min(pages.page_size, n - j0)
+        var v = pages.value(page, 0)
+        for slot in range(cnt):
+            var vp = v + slot * pages.row
+            var vv = Array[SIMD[DType.float32, W], NV](fill=0)
+            comptime for c in range(NV):
+                vv[c] = vp.unsafe_load[width=W](c * W)
+            comptime for r in range(pt):
+                var p = SIMD[DType.float32, W](s.unsafe_load(r * lds + j0 + slot))
+                comptime for c in range(NV):
+                    acc[r * NV + c] = fma(p, vv[c], acc[r * NV + c])
+        j0 += cnt
+        page += 1
+    comptime for r in range(pt):
+        var scale = inv.unsafe_load(r)
+        comptime for c in range(NV):
+            o.unsafe_store(r * ldo + c * W, acc[r * NV + c] * scale)
+
+
+def _values_rows[D: Int](
+    o: F32Ptr, ldo: Int, s: F32Ptr, lds: Int, inv: F32Ptr, n_last: Int, rows: Int,
+    pages: Pages,
+):
+    """`_weighted_values` for `rows` rows, in register tiles, each tile over the keys
+    its last row sees (`n_last - rows + 1 + r` keys for row r)."""
+    comptime W = _lanes[D]()
+    comptime PT = max(1, min(4, 16 // (D // W)))
+    var r0 = 0
+    while r0 < rows:
+        var pt = min(PT, rows - r0)
+        var n = n_last - (rows - 1 - (r0 + pt - 1))
+        comptime for k in range(1, PT + 1):
+            if pt == k:
+                _weighted_values[D, k](o + r0 * ldo, ldo, s + r0 * lds, lds, inv + r0, n, pages)
+        r0 += pt
+
+
+@always_inline
+def _score_tile[D: Int, qt: Int](
+    s: F32Ptr, lds: Int, q: F32Ptr, ldq: Int, kt: F32Ptr, ldk: Int, n: Int, scale: Float32
+):
+    """s[i, j] = scale * q[i] . k[j] for rows i < qt and keys j < n rounded up to KW,
+    `kt` the keys dimension-major."""
+    for j in range(0, n, KW):
+        var acc = Array[SIMD[DType.float32, KW], qt](fill=0)
+        for d in range(D):
+            var kv = kt.unsafe_load[width=KW](d * ldk + j)
+            comptime for i in range(qt):
+                var qd = SIMD[DType.float32, KW](q.unsafe_load(i * ldq + d))
+                acc[i] = fma(qd, kv, acc[i])
+        comptime for i in range(qt):
+            s.unsafe_store(i * lds + j, acc[i] * scale)
+
+
+def _many_queries[D: Int](
+    o: F32Ptr, q: F32Ptr, ld: Int, nq: Int, cache: Int, pages: Pages, scale: Float32,
+    s: F32Ptr, kt: F32Ptr, ldk: Int, inv: F32Ptr,
+):
+    """A (sequence, head)'s `nq` query rows (`ld` apart in `q` and `o`) through the
+    dimension-major copy of its keys."""
+    var n = cache + nq
+    var j0 = 0
+    var page = 0
+    while j0 < n:
+        var cnt = min(pages.page_size, n - j0)
+        var k = pages.key(page, 0)
+        for slot in range(cnt):
+            var kp = k + slot * pages.row
+            for d in range(D):
+                kt.unsafe_store(d * ldk + j0 + slot, kp.unsafe_load(d))
+        j0 += cnt
+        page += 1
+    # Lanes past the last key feed scores no query reads; zeros keep them finite.
+    for d in range(D):
+        for j in range(n, ((n + KW - 1) // KW) * KW):
+            kt.unsafe_store(d * ldk + j, 0)
+    var i0 = 0
+    while i0 < nq:
+        var qt = min(QT, nq - i0)
+        var n_last = cache + i0 + qt
+        comptime for k in range(1, QT + 1):
+            if qt == k:
+                _score_tile[D, k](s, ldk, q + i0 * ld, ld, kt, ldk, n_last, scale)
+        for i in range(qt):
+            inv.unsafe_store(i, _softmax_row(s + i * ldk, n_last - qt + 1 + i, n_last))
+        _values_rows[D](o + i0 * ld, ld, s, ldk, inv, n_last, qt, pages)
+        i0 += qt
+
+
+def _few_queries[D: Int](
+    o: F32Ptr, q: F32Ptr, ld: Int, nq: Int, cache: Int, pages: Pages, scale: Float32,
+    h0: Int, h1: Int, group: Int, s: F32Ptr, lds: Int, inv: F32Ptr, acc: F32Ptr,
+):
+    """A sequence's `nq` query rows for heads `h0 : h1` (`q` and `o` at head 0 of the
+    first row, rows `ld` apart), each score a dot product with the key where the cache
+    holds it. Keys and values are read one cache row (every head of a slot) at a time,
+    so the cache streams through once per query row rather than once per head; the
+    value sums build up in `acc` ([heads, D], in L1)."""
+    comptime W = _lanes[D]()
+    comptime NV = D // W
+    var heads = h1 - h0
+    for i in range(nq):
+        var n = cache + i + 1
+        var qi = q + i * ld
+        var j0 = 0
+        var page = 0
+        while j0 < n:
+            var cnt = min(pages.page_size, n - j0)
+            var k = pages.key(page, 0)
+            for slot in range(cnt):
+                var kr = k + slot * pages.row
+                for g in range(heads):
+                    var h = h0 + g
+                    var qp = qi + h * D
+                    var kp = kr + (h // group) * D
+                    var a = qp.unsafe_load[width=W](0) * kp.unsafe_load[width=W](0)
+                    comptime for c in range(1, NV):
+                        a = fma(qp.unsafe_load[width=W](c * W), kp.unsafe_load[width=W](c * W), a)
+                    s.unsafe_store(g * lds + j0 + slot, a.reduce_add() * scale)
+            j0 += cnt
+            page += 1
+        for g in range(heads):
+            inv.unsafe_store(g, _softmax_row(s + g * lds, n, n))
+        for e in range(0, heads * D, W):
+            acc.unsafe_store(e, SIMD[DType.float32, W](0))
+        j0 = 0
+        page = 0
+        while j0 < n:
+            var cnt = min(pages.page_size, n - j0)
+            var v = pages.value(page, 0)
+            for slot in range(cnt):
+                var vr = v + slot * pages.row
+                for g in range(heads):
+                    var vp = vr + ((h0 + g) // group) * D
+                    var p = SIMD[DType.float32, W](s.unsafe_load(g * lds + j0 + slot))
+                    var ap = acc + g * D
+                    comptime for c in range(NV):
+                        ap.unsafe_store(c * W, fma(p, vp.unsafe_load[width=W](c * W), ap.unsafe_load[width=W](c * W)))
+            j0 += cnt
+            page += 1
+        for g in range(heads):
+            var scale_g = inv.unsafe_load(g)
+            comptime for c in range(NV):
+                var e = g * D + c * W
+                o.unsafe_store(i * ld + h0 * D + e, acc.unsafe_load[width=W](e) * scale_g)
+
+
+def paged_attention[D: Int](
+    o: F32Ptr, q: F32Ptr, offsets: U32Ptr, B: Int, H: Int,
+    blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, Hkv: Int, layer: Int,
+    cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32,
+    max_tasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    """Attention of every query row of `q` ([rows, H, D]) into `o`, see the module doc.
+
+    A unit of work is one head of a sequence with many query rows, or a range of heads
+    of one with few: all of them when there are at least as many such sequences as
+    tasks, else a task's share, so a single decode row still spreads over the threads."""
+    var row = Hkv * D
+    var v_off = L * page_size * row
+    var layer_base = blocks + layer * page_size * row
+    var group = H // Hkv
+    var most_keys = 0
+    var work = 0
+    var few = 0
+    for b in range(B):
+        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
+        var n = Int(cache_lengths.unsafe_load(b)) + nq
+        if nq:
+            most_keys = max(most_keys, n)
+        if nq and nq < FEW:
+            few += 1
+        work += nq * n
+    var ldk = ((most_keys + KW - 1) // KW) * KW
+    var ntasks = 1 if work * H * D < SERIAL_WORK else max(1, max_tasks)
+    var splits = max(1, min(H, ntasks // max(1, few)))
+    # first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1].
+    var first_unit = alloc[Int](B + 1)
+    first_unit.unsafe_store(0, 0)
+    for b in range(B):
+        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
+        var count = 0 if nq == 0 else (splits if nq < FEW else H)
+        first_unit.unsafe_store(b + 1, first_unit.unsafe_load(b) + count)
+    var units = first_unit.unsafe_load(B)
+    ntasks = min(ntasks, max(1, units))
+
+    def task(t: Int) {
+        imm o, imm q, imm offsets, imm B, imm H, imm layer_base, imm page_elems,
+        imm page_size, imm row, imm v_off, imm group, imm cache_lengths, imm lut,
+        imm lut_cols, imm scale, imm ldk, imm units, imm ntasks, imm first_unit, imm splits,
+    }:
+        var s = alloc[Float32](max(QT, H) * ldk + KW, alignment=64)
+        var kt = alloc[Float32](D * ldk + KW, alignment=64)
+        var inv = alloc[Float32](max(QT, H), alignment=64)
+        var acc = alloc[Float32](H * D, alignment=64)
+        for u in range(t, units, ntasks):
+            # The sequence owning unit u: the last b with first_unit[b] <= u.
+            var lo = 0
+            var hi = B
+            while hi - lo > 1:
+                var mid = (lo + hi) // 2
+                if first_unit.unsafe_load(mid) <= u:
+                    lo = mid
+                else:
+                    hi = mid
+            var b = lo
+            while first_unit.unsafe_load(b + 1) <= u:
+                b += 1
+            var k = u - first_unit.unsafe_load(b)
+            var first = Int(offsets.unsafe_load(b))
+            var nq = Int(offsets.unsafe_load(b + 1)) - first
+            var cache = Int(cache_lengths.unsafe_load(b))
+            var at = first * H * D
+            if nq < FEW:
+                var pages = Pages(
+                    layer_base, lut + b * lut_cols, page_elems, page_size, row, v_off
+                )
+                _few_queries[D](
+                    o + at, q + at, H * D, nq, cache, pages, scale,
+                    k * H // splits, (k + 1) * H // splits, group, s, ldk, inv, acc,
+                )
+            else:
+                var pages = Pages(
+                    layer_base + (k // group) * D, lut + b * lut_cols,
+                    page_elems, page_size, row, v_off,
+                )
+                _many_queries[D](
+                    o + at + k * D, q + at + k * D, H * D, nq, cache, pages, scale,
+                    s, kt, ldk, inv,
+                )
+        s.free()
+        kt.free()
+        inv.free()
+        acc.free()
+
+    if ntasks == 1:
+        task(0)
+    else:
+        sync_parallelize(task, ntasks, ctx)
+    first_unit.free()
