@@ -27,7 +27,6 @@ from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
-from .kernels import paged_attention
 from .layers import Layers
 from .model_config import GPT2ArchConfig
 from .shims.internals import graph_value
@@ -58,6 +57,7 @@ class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
     def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
+        self.layers = layers
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
@@ -74,7 +74,7 @@ class GPT2Attention(Module[..., Tensor]):
         q, k, v = F.split(self.c_attn(x), [self.num_heads * self.head_dim] * 3, axis=1)
         store_k_cache_ragged(kv_collection, k.reshape(heads), input_row_offsets, layer_idx)
         store_v_cache_ragged(kv_collection, v.reshape(heads), input_row_offsets, layer_idx)
-        attn = paged_attention(
+        attn = self.layers.attention(
             q.reshape(heads), input_row_offsets, kv_collection, layer_idx, self.scale
         )
         return self.c_proj(attn.reshape([-1, self.num_heads * self.head_dim]))

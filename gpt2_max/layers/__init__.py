@@ -8,7 +8,9 @@ device. It is all a copier of this package needs to bring a model up.
 it: a Mojo kernel that streams each weight once per decode step
 (`linear.py`, `kernels/`), float16 weights held as loaded (`embedding.py`),
 GGUF blocks multiplied packed by MAX's quantized CPU kernels (`quantized.py`).
-`layers_for` takes them on the CPU, and wherever the weights are held in a
+On the CPU, attention over the paged cache is the package's own Mojo op
+(`kernels/mojo/attention.mojo`), cheaper than MAX's at a decode step's one query
+per sequence. `layers_for` takes them on the CPU, and wherever the weights are held in a
 form plain layers cannot hold (packed or float16).
 """
 
@@ -17,7 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from max.experimental import nn
+from max.experimental.nn.common_layers.functional_kernels import flash_attention_ragged
 from max.experimental.tensor import Tensor
+from max.nn.attention import MHAMaskVariant
+from max.nn.kv_cache import PagedCacheValues
 
 from ..model_config import GPT2ArchConfig
 
@@ -39,6 +44,23 @@ class Layers:
     def tied_head(self, h: Tensor, table: Tensor) -> Tensor:
         """`h @ table.T`: logits from the token table itself (a tied LM head)."""
         return h @ table.T
+
+    def attention(
+        self, q: Tensor, input_row_offsets: Tensor, kv_collection: PagedCacheValues,
+        layer_idx: Tensor, scale: float,
+    ) -> Tensor:
+        """Causal attention of `q` (`[tokens, heads, head_dim]`, a ragged batch) over
+        layer `layer_idx` of the paged KV cache, which already holds the step's keys
+        and values: MAX's flash attention, on any device."""
+        return flash_attention_ragged(
+            self.config.kv_params,
+            input=q,
+            input_row_offsets=input_row_offsets,
+            kv_collection=kv_collection,
+            layer_idx=layer_idx,
+            mask_variant=MHAMaskVariant.CAUSAL_MASK,
+            scale=scale,
+        )
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The weights as these layers read them (plain layers read them as loaded)."""
