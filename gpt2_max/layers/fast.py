@@ -13,6 +13,7 @@ from typing import Any
 
 from max.experimental import nn
 from max.experimental.tensor import Tensor
+from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
 from . import Layers
@@ -37,8 +38,10 @@ class FastLayers(Layers):
     def tied_head(self, h: Tensor, table: Tensor) -> Tensor:
         return project(h, table)
 
-    def attention(self, q: Tensor, input_row_offsets: Tensor, kv_collection: Any,
-                  layer_idx: Tensor, scale: float) -> Tensor:
+    def attention(
+        self, q: Tensor, input_row_offsets: Tensor, kv_collection: PagedCacheValues,
+        layer_idx: Tensor, scale: float,
+    ) -> Tensor:
         """The package's op over the paged cache on the CPU (it has no GPU kernel)."""
         if not self.config.devices[0].is_cpu():
             return super().attention(q, input_row_offsets, kv_collection, layer_idx, scale)
