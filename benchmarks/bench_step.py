@@ -9,7 +9,7 @@ tokens to the end; every decode step after the prefill is booked by wrapping
 what MAX's pipeline calls per step:
 
   step              entry of one `pipeline.execute` to the next (everything)
-  model graph       the compiled model callable (`PipelineModel.model`)
+  model graph       the compiled model graph (`PipelineModel.model.execute_raw`)
   sampler graph     MAX's fused sampler graph
   prepare_batch     input building: token/offset tensors, KV cache inputs
   kv_manager.step   KV bookkeeping after the step
@@ -116,7 +116,7 @@ def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
         gen.generate(PROMPT, 8, ignore_eos=True)  # warm-up
 
         book = Book()
-        model.model = book.wrap("model graph", model.model)
+        model.model.execute_raw = book.wrap("model graph", model.model.execute_raw)
         pipeline._sampler_without_bitmask = TimedSampler(pipeline._sampler_without_bitmask, book)
         pipeline.prepare_batch = book.wrap("prepare_batch", pipeline.prepare_batch)
         kv = pipeline._kv_manager

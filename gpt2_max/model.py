@@ -21,9 +21,10 @@ import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from max import tree
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
-from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
+from max.pipelines.lib import ModelInputs, ModelOutputs, ModuleV3PipelineModelWithKVCache
 
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
@@ -67,6 +68,24 @@ class GPT2PipelineModel(
         compiled = super().load_model()
         release(self.weights)
         return compiled
+
+    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
+        """Runs the compiled graph on the step's buffers through `execute_raw`.
+
+        MAX's pipeline hands over buffers already laid out as the graph was
+        compiled (`GPT2BatchProcessor` builds them), so the base class's route,
+        which checks and wraps every argument and result as a `Tensor` on each
+        call, costs a tenth of a millisecond a step for nothing; at batch 1 on
+        a 4-bit file that is a few percent of the step.
+        """
+        out = tree.unflatten(
+            self.model.out_tree, self.model.execute_raw(*model_inputs.buffers)
+        )
+        return ModelOutputs(
+            logits=out.next_token_logits if out.logits is None else out.logits,
+            next_token_logits=out.next_token_logits,
+            logit_offsets=out.logit_offsets,
+        )
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
         # The base class already built (and validated) the config from the
