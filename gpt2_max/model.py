@@ -31,8 +31,8 @@ from .gpt2 import GPT2
 from .layers import layers_for
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
-from .runtime_threads import yield_to_main_thread
 from .shims.log_probabilities import LazyLogProbabilities
+from .shims.runtime_threads import yield_to_main_thread
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 
@@ -66,7 +66,7 @@ class GPT2PipelineModel(
     def load_model(self) -> Callable[..., Any]:
         """Compiles the model, then lets the checkpoint's file go (`weights.mapping`);
         on the CPU, MAX's worker threads then yield to the Python that drives each
-        step (`runtime_threads`)."""
+        step (`shims.runtime_threads`)."""
         announce_compile(self.pipeline_config.model.quantization_encoding)
         compiled = super().load_model()
         release(self.weights)

@@ -20,6 +20,9 @@ and why, so nothing else in the package imports a private MAX name:
   architecture's context type.
 - `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
   first use instead of at every start.
+- `runtime_threads`: MAX's CPU worker threads, found by the name the Mojo
+  runtime gives them, put below the thread that drives them
+  (`GPT2_MAX_WORKER_NICE`).
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,

@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpt2_max.runtime_threads import (
+from gpt2_max.shims.runtime_threads import (
     DEFAULT_NICE,
     MAX_NICE,
     NICE_ENV,

@@ -11,9 +11,9 @@ speed and adds milliseconds to every step. A worker a few nice levels below
 the main thread gives its core up as soon as the Python has work, and still
 has the cores to itself while a graph runs, when the main thread waits.
 
-The workers are found by the name the Mojo runtime gives them; a MAX that
-named them otherwise leaves them alone, and `tests/test_runtime_threads.py`
-fails by name.
+The workers are found by the name the Mojo runtime gives them, which no MAX
+API promises: a MAX that named them otherwise leaves them alone, and
+`tests/shims/test_runtime_threads.py` fails by name.
 """
 
 from __future__ import annotations
