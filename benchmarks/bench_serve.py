@@ -108,6 +108,8 @@ SERVE_ARGS = ("--max-batch-size", "32")
 GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
 """The scenarios each GGUF type runs: one request, and eight at once."""
 GGUF_RSS_BATCH_SIZE = 8
+WARM_UP_SEED = 999_999
+"""No scenario's prompt seed."""
 LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
 """Where llama.cpp's logits are compared with HF's, teacher-forced on one 512-token prompt."""
 
@@ -145,6 +147,13 @@ async def stream_one(api: AsyncOpenAI, tokens: list[int], max_tokens: int) -> di
 async def run_max(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
         return list(await asyncio.gather(*(stream_one(api, p, max_tokens) for p in prompts)))
+
+
+def warm_up(url: str) -> None:
+    """One short request before a server is measured, as `llama-bench` warms up before it
+    times: the first request after a start pays one-time costs no later one does. Its
+    prompt is no measured prompt's prefix, so the prefix cache gives nothing away."""
+    asyncio.run(run_max(url, [random_prompt(16, WARM_UP_SEED)], 8))
 
 
 def decode_rate(arrivals: list[float]) -> float:
@@ -475,6 +484,7 @@ def measure_gguf(
         serve(path, *SERVE_ARGS, devices=args.devices,
               log=scratch / f"server-{path.stem}.log") as server,
     ):
+        warm_up(server.url)
         runs = [
             measure(server.url, reference, peer, {
                 name: prompts for name, prompts in scenarios(args.quick, repetition).items()
@@ -540,6 +550,7 @@ def main() -> None:
         serve(checkpoint, *SERVE_ARGS, log=scratch / "server.log",
               devices=args.devices) as server,
     ):
+        warm_up(server.url)
         rss = PeakRss(server.pid)
         runs = [
             {**measure(server.url, hf, peer, scenarios(args.quick, repetition)),
