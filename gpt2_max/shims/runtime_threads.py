@@ -68,15 +68,23 @@ def worker_threads() -> list[int]:
 
 def yield_to_main_thread(nice: int | None = None) -> list[int]:
     """Puts the runtime's workers `nice` levels (default: `configured_nice()`) below this
-    process's main thread, capped at the lowest priority, and returns their thread ids."""
+    process's main thread, capped at the lowest priority, and returns the thread ids it
+    lowered; where the system refuses, it warns and the workers stay as they were."""
     nice = configured_nice() if nice is None else nice
     if nice == 0:
         return []
-    workers = worker_threads()
-    target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
-    for tid in workers:
-        # On Linux a thread id names one thread, so only the workers change.
-        os.setpriority(os.PRIO_PROCESS, tid, max(target, os.getpriority(os.PRIO_PROCESS, tid)))
-    if workers:
-        logger.debug("gpt2_max: MAX's %d CPU workers at nice %d", len(workers), target)
-    return workers
+    lowered = []
+    try:
+        target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+        for tid in worker_threads():
+            # On Linux a thread id names one thread, so only the workers change.
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, max(target, current))
+            lowered.append(tid)
+    except OSError as error:
+        # A sandbox that refuses priorities costs speed, never the model.
+        logger.warning("gpt2_max: MAX's CPU workers keep their priority: %s", error)
+    else:
+        if lowered:
+            logger.debug("gpt2_max: MAX's %d CPU workers at nice %d", len(lowered), target)
+    return lowered

@@ -15,6 +15,7 @@ from gpt2_max.shims.runtime_threads import (
     WORKER_NAME_PREFIX,
     configured_nice,
     worker_threads,
+    yield_to_main_thread,
 )
 
 
@@ -67,3 +68,20 @@ def test_the_served_model_worker_runs_max_workers_below_its_main_thread(
     # Exactly the process that builds the model (the model worker) lowers its workers.
     (offsets,) = [offsets for offsets in lowered.values() if any(offsets)]
     assert offsets and set(offsets) == {DEFAULT_NICE}, lowered
+
+
+def test_a_system_refusing_priorities_costs_a_warning_not_the_load(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(
+        "gpt2_max.shims.runtime_threads.worker_threads", lambda: [os.getpid()]
+    )
+
+    def refuse(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    with caplog.at_level("WARNING", logger="max.pipelines"):
+        assert yield_to_main_thread(5) == []
+    assert "keep their priority" in caplog.text
+    assert yield_to_main_thread(0) == []
