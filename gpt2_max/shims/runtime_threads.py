@@ -50,14 +50,16 @@ def configured_nice() -> int:
     return nice
 
 
-def worker_threads() -> list[int]:
-    """Thread ids of the MAX runtime's CPU workers in this process (Linux; empty elsewhere)."""
+def worker_threads(pid: int | None = None) -> list[int]:
+    """Thread ids of the MAX runtime's CPU workers in process `pid` (default: this one;
+    Linux only, empty elsewhere)."""
     if not sys.platform.startswith("linux"):
         return []
+    tasks = f"/proc/{'self' if pid is None else pid}/task"
     workers = []
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(tasks):
         try:
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+            with open(f"{tasks}/{tid}/comm", encoding="utf-8", errors="replace") as f:
                 name = f.read().strip()
         except OSError:  # the thread ended meanwhile
             continue

@@ -12,7 +12,6 @@ from gpt2_max.shims.runtime_threads import (
     DEFAULT_NICE,
     MAX_NICE,
     NICE_ENV,
-    WORKER_NAME_PREFIX,
     configured_nice,
     worker_threads,
     yield_to_main_thread,
@@ -37,15 +36,6 @@ def _nice(pid: int, tid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[16])
 
 
-def _workers(pid: int) -> list[int]:
-    workers = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        name = Path(f"/proc/{pid}/task/{tid}/comm").read_bytes().decode(errors="replace")
-        if name.startswith(WORKER_NAME_PREFIX):
-            workers.append(int(tid))
-    return workers
-
-
 def test_a_loaded_generator_leaves_max_workers_below_its_main_thread(generator) -> None:
     workers = worker_threads()
     # None found means the runtime named its workers otherwise.
@@ -54,7 +44,6 @@ def test_a_loaded_generator_leaves_max_workers_below_its_main_thread(generator) 
     assert [_nice(os.getpid(), tid) for tid in workers] == [
         min(MAX_NICE, main + DEFAULT_NICE)
     ] * len(workers)
-    assert worker_threads() == sorted(_workers(os.getpid()))
 
 
 def test_the_served_model_worker_runs_max_workers_below_its_main_thread(
@@ -62,7 +51,7 @@ def test_the_served_model_worker_runs_max_workers_below_its_main_thread(
 ) -> None:
     tree = psutil.Process(gpt2_max_server.pid).children(recursive=True)
     lowered = {
-        p.pid: [_nice(p.pid, tid) - _nice(p.pid, p.pid) for tid in _workers(p.pid)]
+        p.pid: [_nice(p.pid, tid) - _nice(p.pid, p.pid) for tid in worker_threads(p.pid)]
         for p in tree
     }
     # Exactly the process that builds the model (the model worker) lowers its workers.
