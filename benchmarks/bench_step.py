@@ -51,10 +51,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import bench_start
 import llama_cpp_tools
 import numpy as np
 import psutil
-from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve, stream_one
+import worker_probe
+from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
@@ -68,6 +70,8 @@ from gpt2_max import kernels
 from gpt2_max.generate import Generator
 from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
 from gpt2_max.shims.internals import gguf_reader
+from gpt2_max.testing.load import GREEDY
+from gpt2_max.testing.server import MODEL_NAME
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.tools.gguf_config import huggingface_config
 from gpt2_max.weights.gguf import convert_gguf_state_dict, metadata
@@ -145,31 +149,54 @@ def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
     return table
 
 
+FLOOR_SUBJECTS = ("MAX's Llama", "gpt2_max")
+"""`--floor`'s servers: MAX's own Llama architecture on `bench_start.py`'s small Llama
+(no code of this package runs its steps), then gpt2_max on a GPT-2 of the same shape."""
+
+
+def floor_checkpoint(subject: str) -> Path:
+    """`subject`'s checkpoint folder, written on first use: the GPT-2 takes its shape
+    from the Llama's config, so the two differ only by architecture."""
+    llama, _ = bench_start.checkpoint("llama")
+    if subject == FLOOR_SUBJECTS[0]:
+        return llama
+    folder = CHECKPOINTS / "floor-gpt2"
+    if not (folder / "model.safetensors").exists():
+        shape = json.loads((llama / "config.json").read_text())
+        config = preset_config(
+            "gpt2", n_layer=shape["num_hidden_layers"], n_embd=shape["hidden_size"],
+            n_head=shape["num_attention_heads"], n_inner=shape["intermediate_size"],
+            vocab_size=shape["vocab_size"],
+        )
+        write_checkpoint(folder, config, std=0.2)
+    return folder
+
+
 def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[str, float]:
     """Milliseconds per decode token of one streamed request through `max serve` (with
-    `env` added to its environment), and the CPU milliseconds per token each server
-    process spent meanwhile."""
-    with tempfile.TemporaryDirectory() as scratch, serve(
-        path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log", env=env
-    ) as server:
-        root = psutil.Process(server.pid)
-        processes = [root, *root.children(recursive=True)]
-
-        async def one() -> dict:
-            async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-") as api:
-                return await stream_one(api, PROMPT, new_tokens)
-
-        asyncio.run(one())  # warm-up
-        before = {p.pid: sum(p.cpu_times()[:2]) for p in processes}
-        result = asyncio.run(one())
-        spent = {p.pid: sum(p.cpu_times()[:2]) - before[p.pid] for p in processes}
-    arrivals = result["arrivals"]
+    `env` added to its environment), MAX's per-step parts inside the model worker over
+    its decode steps (`worker_probe.PARTS`), and the CPU milliseconds per token each
+    server process spent meanwhile."""
+    with tempfile.TemporaryDirectory() as scratch:
+        probe = Path(scratch) / "probe"
+        probe.mkdir()
+        env = {**worker_probe.sitecustomize_folder(probe), **env}
+        with serve(path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log",
+                   env=env) as server:
+            root = psutil.Process(server.pid)
+            processes = [root, *root.children(recursive=True)]
+            asyncio.run(stream_probed(server.url, new_tokens, None))  # warm-up
+            before = {p.pid: sum(p.cpu_times()[:2]) for p in processes}
+            arrivals, totals = asyncio.run(stream_probed(server.url, new_tokens, probe))
+            spent = {p.pid: sum(p.cpu_times()[:2]) - before[p.pid] for p in processes}
     decode_s = arrivals[-1] - arrivals[0]
     steps = len(arrivals) - 1
     # The worker is the process that ran the graphs: by far the most CPU.
     worker = max(spent, key=spent.get)
+    first, last = totals
     table = {
         "token": decode_s / steps * 1e3,
+        **worker_probe.per_step(first, last),
         "worker CPU": spent[worker] / steps * 1e3,
         "API process CPU": spent[root.pid] / steps * 1e3,
         "other processes CPU": sum(v for k, v in spent.items() if k not in (worker, root.pid))
@@ -178,6 +205,29 @@ def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[s
     # Seconds of CPU over the decode's wall time: what the server keeps busy of THREADS cores.
     table["cores busy"] = sum(spent.values()) / decode_s
     return table
+
+
+async def stream_probed(
+    url: str, new_tokens: int, probe: Path | None
+) -> tuple[list[float], tuple[dict, dict] | None]:
+    """One streamed greedy request of `PROMPT`: each token's arrival time, and the model
+    worker's probe totals read as the first token arrives and after the last (so they
+    cover the decode steps only), when `probe` is given."""
+    arrivals: list[float] = []
+    totals: list[dict] = []
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as api:
+        stream = await api.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=new_tokens, stream=True, **GREEDY
+        )
+        async for chunk in stream:
+            new = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else None
+            if new:
+                arrivals += [time.perf_counter()] * len(new)
+                if probe is not None and not totals:
+                    totals.append(worker_probe.request_totals(probe))
+    if probe is not None:
+        totals.append(worker_probe.request_totals(probe))
+    return arrivals, (totals[0], totals[1]) if probe is not None else None
 
 
 def sampler_alone(vocab_size: int, repeat: int, previous: int = 100) -> float:
@@ -350,6 +400,9 @@ def main() -> None:
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                         help="add to the environment of that `max serve` (repeatable), e.g. "
                              "the settings README's 'Latency of one stream' recommends")
+    parser.add_argument("--floor", action="store_true",
+                        help="also serve MAX's own Llama and gpt2_max at one small shape "
+                             "(FLOOR_SUBJECTS) and take the same served table for each")
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -363,7 +416,7 @@ def main() -> None:
           f"{args.new_tokens} new tokens; ms per decode step (mean)")
     if args.serve and args.serve_env:
         print(f"max serve's added environment: {' '.join(args.serve_env)}")
-    for file_type in args.types.split(","):
+    for file_type in filter(None, args.types.split(",")):
         path = gguf_file(checkpoint, file_type)
         steps = measure("step", path, args)
         split = measure("split", path, args)
@@ -389,13 +442,38 @@ def main() -> None:
                   f"{split['weight MB'] * tg / 1e3:.1f} GB/s; gpt2-max step / llama.cpp "
                   f"{steps['step'] * tg / 1e3:.2f}")
         if args.serve:
-            served = measure("serve", path, args)
-            print(f"  through max serve: {served['token']:.2f} ms per token "
-                  f"({served['token'] - steps['step']:+.2f} over the in-process step); "
-                  f"CPU ms per token: worker {served['worker CPU']:.2f}, API process "
-                  f"{served['API process CPU']:.2f}, other {served['other processes CPU']:.2f}; "
-                  f"{served['cores busy']:.2f} of {THREADS} cores busy")
+            print_served(measure("serve", path, args), steps["step"])
+    if args.floor:
+        print("\nThe floor: MAX's own Llama and gpt2_max at one small shape (bench_start.py's "
+              "Llama), both through max serve")
+        for subject in FLOOR_SUBJECTS:
+            print(f"\n{subject}:")
+            print_served(measure("serve", floor_checkpoint(subject), args))
 
+
+def print_served(served: dict[str, float], step: float | None = None) -> None:
+    """The `serve` part's table: the token's time through `max serve`, MAX's parts of
+    one step in the model worker, the CPU each server process took."""
+    over = f" ({served['token'] - step:+.2f} over the in-process step)" if step else ""
+    print(f"  through max serve: {served['token']:.2f} ms per token{over}")
+    iteration, execute = served["scheduler iteration"], served["pipeline.execute"]
+    pipeline_parts = ("model graph", "prepare_batch", "sampler setup", "sampler")
+    scheduler_parts = ("requests drained", "batch construction", "requests advanced",
+                       "response pushed", "batch metrics")
+    rows = [
+        ("scheduler iteration", iteration, 4),
+        ("pipeline.execute", execute, 6),
+        *((name, served[name], 8) for name in pipeline_parts),
+        ("pipeline, other", execute - sum(served[n] for n in pipeline_parts), 8),
+        *((name, served[name], 6) for name in scheduler_parts),
+        ("scheduler, other", iteration - execute - sum(served[n] for n in scheduler_parts), 6),
+        ("between iterations", served["token"] - iteration, 4),
+    ]
+    for name, value, indent in rows:
+        print(f"{' ' * indent}{name:<{36 - indent}} {value:8.3f}")
+    print(f"  CPU ms per token: worker {served['worker CPU']:.2f}, API process "
+          f"{served['API process CPU']:.2f}, other {served['other processes CPU']:.2f}; "
+          f"{served['cores busy']:.2f} of {THREADS} cores busy")
 
 if __name__ == "__main__":
     main()

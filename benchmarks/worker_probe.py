@@ -1,0 +1,152 @@
+"""Times MAX's per-step functions inside a running `max serve`, for `bench_step.py --serve`.
+
+A served decode step runs in MAX's model worker, a process the benchmark does not
+own, so the benchmark starts the server with `PYTHONPATH` holding a folder
+(`sitecustomize_folder`) whose `sitecustomize.py` calls `arm()` in every
+process of the server. `arm` wraps each function in `PARTS` with a timer as
+soon as its module is imported, in whichever process imports it; the model
+worker, the one process running scheduler iterations, writes its running totals
+into the folder when the benchmark asks (`request_totals`), so the benchmark
+takes the difference over the one request it measures.
+
+The functions are MAX's, not this package's, so the same table is taken for any
+architecture, MAX's own Llama included (`bench_step.py --floor`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PARTS: dict[str, tuple[str, str]] = {
+    "scheduler iteration": (
+        "max.serve.scheduler.text_generation_scheduler",
+        "TokenGenerationScheduler.run_iteration",
+    ),
+    "pipeline.execute": (
+        "max.pipelines.lib.pipeline_variants.text_generation", "TextGenerationPipeline.execute"
+    ),
+    "model graph": (
+        "max.pipelines.lib.pipeline_variants.text_generation",
+        "TextGenerationPipeline._launch_forward_pass",
+    ),
+    "prepare_batch": (
+        "max.pipelines.lib.pipeline_variants.text_generation",
+        "TextGenerationPipeline.prepare_batch",
+    ),
+    "sampler setup": (
+        "max.pipelines.sampling.sampling_logits_processor", "FusedSamplingProcessor.__init__"
+    ),
+    "sampler": (
+        "max.pipelines.sampling.sampling_logits_processor", "FusedSamplingProcessor.__call__"
+    ),
+    "batch metrics": ("max.serve.scheduler.utils", "SchedulerLogger.log_metrics"),
+    "requests drained": (
+        "max.serve.scheduler.text_generation_scheduler",
+        "TokenGenerationScheduler._retrieve_pending_requests",
+    ),
+    "batch construction": (
+        "max.serve.scheduler.batch_constructor.text_batch_constructor",
+        "TextBatchConstructor.construct_batch",
+    ),
+    "requests advanced": (
+        "max.serve.scheduler.batch_constructor.text_batch_constructor",
+        "TextBatchConstructor.advance_requests",
+    ),
+    "response pushed": ("max.serve.worker_interface._zmq_queue", "ZmqPushSocket.put_nowait"),
+}
+"""Each timed part: the module MAX defines it in and its qualified name there."""
+
+FOLDER_ENV = "GPT2_MAX_WORKER_PROBE"
+"""Where the totals go; `arm` does nothing in a process without it."""
+
+REQUEST, TOTALS = "request", "totals.json"
+"""The benchmark's request for the totals, and the worker's answer, in that folder."""
+ANSWERED_AFTER = "scheduler iteration"
+"""The part after which a pending request is answered: only the model worker runs it."""
+
+SITECUSTOMIZE = "import worker_probe\nworker_probe.arm()\n"
+
+
+def sitecustomize_folder(folder: Path) -> dict[str, str]:
+    """Writes the `sitecustomize.py` that arms the probe into `folder`; returns the
+    environment a server needs for it (this module's folder importable too)."""
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    path = [str(folder), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in path if p), FOLDER_ENV: str(folder)}
+
+
+def arm() -> None:
+    """Wraps every part of `PARTS` once its module is imported in this process."""
+    folder = os.environ.get(FOLDER_ENV)
+    if not folder:
+        return
+    request, totals_file = Path(folder) / REQUEST, Path(folder) / TOTALS
+    totals: dict[str, list[float]] = {name: [0.0, 0] for name in PARTS}
+    pending = dict(PARTS)
+    original_import = builtins.__import__
+
+    def answer() -> None:
+        """Writes the totals if the benchmark asked for them since the last iteration."""
+        if request.exists():
+            staged = totals_file.with_suffix(".tmp")
+            staged.write_text(json.dumps(totals))
+            staged.replace(totals_file)
+            request.unlink()
+
+    def wrap(name: str, module: str, qualname: str) -> None:
+        owner_name, attribute = qualname.split(".")
+        owner = getattr(sys.modules[module], owner_name)
+        function = getattr(owner, attribute)
+        total = totals[name]
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+                total[1] += 1
+                if name == ANSWERED_AFTER:
+                    answer()
+
+        setattr(owner, attribute, timed)
+
+    def importing(*args: Any, **kwargs: Any) -> Any:
+        module = original_import(*args, **kwargs)
+        for name, (owner_module, qualname) in list(pending.items()):
+            if hasattr(sys.modules.get(owner_module), qualname.split(".")[0]):
+                wrap(name, owner_module, qualname)
+                del pending[name]
+        if not pending:
+            builtins.__import__ = original_import
+        return module
+
+    builtins.__import__ = importing
+
+
+def request_totals(folder: Path, timeout_s: float = 10.0) -> dict[str, list[float]]:
+    """The model worker's running totals as of its next scheduler iteration (it runs one
+    at least every 10 ms, idle or not): `[seconds, calls]` per part."""
+    request, totals_file = folder / REQUEST, folder / TOTALS
+    totals_file.unlink(missing_ok=True)
+    request.touch()
+    deadline = time.monotonic() + timeout_s
+    while request.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the model worker answered no request for its totals ({folder})")
+        time.sleep(0.002)
+    return json.loads(totals_file.read_text())
+
+
+def per_step(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Milliseconds per step (per `pipeline.execute` call) of each part between two
+    `request_totals`."""
+    steps = after["pipeline.execute"][1] - before["pipeline.execute"][1]
+    return {name: (after[name][0] - before[name][0]) / steps * 1e3 for name in PARTS}
+
