@@ -17,10 +17,21 @@ what MAX's pipeline calls per step:
   outside execute   `GenerateIterator` and `Generator` (detokenize, stop scan)
 
 With `--serve`, the same file is also served by `max serve` (as `bench_serve.py` runs it)
-and one streamed request (same prompt, greedy) is timed token by token; the CPU
-time each process of the server takes over the decode is read with psutil, so
-the table shows what serving adds to the in-process step and what the API
-process takes from the cores the worker's threads use.
+and one streamed request (same prompt, greedy) is timed token by token. Inside the
+model worker `worker_probe.py` times MAX's own per-step functions over the decode
+steps (the scheduler's iteration, and within it the pipeline's `execute` with the
+model graph, `prepare_batch` and the sampler, the request queues, batch
+construction, the response push and the batch metrics); the CPU time each
+process of the server takes over the decode is read with psutil. So the table
+shows what serving adds to the in-process step, where in MAX's loop it goes, and
+what the API process takes from the cores the worker's threads use.
+
+With `--floor`, MAX's own Llama architecture (`bench_start.py`'s small Llama) and
+gpt2_max on a GPT-2 of the same shape are served the same way: no code of this
+package runs the Llama's steps, so its table is what MAX's serving loop costs a
+step on its own, the smallest MAX-only reproduction of the fixed cost.
+
+    PYTHONPATH=. heavy python benchmarks/bench_step.py --types '' --floor
 
 MAX's sampler graph is also timed alone (`sampler alone`: MAX's `token_sampler`
 for one row of the vocabulary, nothing of this package in it), the smallest
@@ -177,6 +188,8 @@ def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[s
     `env` added to its environment), MAX's per-step parts inside the model worker over
     its decode steps (`worker_probe.PARTS`), and the CPU milliseconds per token each
     server process spent meanwhile."""
+    if missing := worker_probe.missing_parts():
+        raise RuntimeError(f"this MAX lacks what worker_probe times: {', '.join(missing)}")
     with tempfile.TemporaryDirectory() as scratch:
         probe = Path(scratch) / "probe"
         probe.mkdir()

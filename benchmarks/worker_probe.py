@@ -16,6 +16,7 @@ architecture, MAX's own Llama included (`bench_step.py --floor`).
 from __future__ import annotations
 
 import builtins
+import importlib
 import json
 import os
 import sys
@@ -71,6 +72,17 @@ ANSWERED_AFTER = "scheduler iteration"
 """The part after which a pending request is answered: only the model worker runs it."""
 
 SITECUSTOMIZE = "import worker_probe\nworker_probe.arm()\n"
+
+
+def missing_parts() -> list[str]:
+    """The parts of `PARTS` this MAX release lacks (a renamed function would leave the
+    worker's probe unarmed): checked in the benchmark's process before a server starts."""
+    missing = []
+    for name, (module, qualname) in PARTS.items():
+        owner, attribute = qualname.split(".")
+        if not hasattr(getattr(importlib.import_module(module), owner, None), attribute):
+            missing.append(f"{name} ({module}.{qualname})")
+    return missing
 
 
 def sitecustomize_folder(folder: Path) -> dict[str, str]:
