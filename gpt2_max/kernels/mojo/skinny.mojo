@@ -5,9 +5,16 @@ to float32 in registers as it is loaded, so a step reads half the bytes and stil
 accumulates in float32.
 
 A decode step multiplies a handful of rows by every weight matrix once, so its cost is
-streaming the weights from memory. Each task owns a contiguous band of `w`'s rows and
-reads it exactly once: for every block of `R` weight rows, all `M` input rows are
-multiplied in tiles of up to `MT` rows while the block is still in L1.
+streaming the weights from memory. `w` is read exactly once, in chunks of
+`CHUNK_BLOCKS` blocks of `R` rows: for every block, all `M` input rows are
+multiplied in tiles of up to `MT` rows while the block is still in L1. Each row is
+read a cache line per iteration (two SIMD loads of float16, one of float32).
+
+The tasks (one per runtime thread) take chunks from a shared counter rather than a
+fixed half each: an op ends when its last task does, and a thread that streams
+slower, or loses its core for a while to another process (the API process of a
+served model), would otherwise hold the whole step up; with chunks the other thread
+takes its share of the rest.
 
 That order is the fastest at a few rows and not at many, where reusing each loaded
 weight across rows matters more than streaming: the ops in `ops.mojo` hand float32
@@ -15,8 +22,9 @@ steps of more rows than their `max_rows` to MAX's tiled matmul instead, so many 
 reach this kernel only through float16 weights, which MAX's matmul cannot take.
 """
 
-from std.math import fma
-from std.sys import CompilationTarget, simd_width_of
+from std.atomic import Atomic
+from std.math import ceildiv, fma
+from std.sys import CompilationTarget, simd_width_of, size_of
 from std.sys.intrinsics import PrefetchOptions, prefetch
 
 from max.algorithm import sync_parallelize
@@ -26,14 +34,19 @@ comptime CpuCtx = DeviceContextBase[CompilationTarget()]
 comptime F32Ptr = UnsafePointer[Float32, MutUntrackedOrigin]
 comptime WPtr[wdt: DType] = UnsafePointer[Scalar[wdt], MutUntrackedOrigin]
 comptime SW = simd_width_of[DType.float32]()
+comptime LINE = 64
+"""Bytes of a cache line."""
 comptime R = 4
 """Weight rows per block: R independent streams per task."""
 comptime MT = 4
 """Input rows per register tile: MT * R accumulators."""
+comptime CHUNK_BLOCKS = 16
+"""Blocks per chunk, the unit the tasks take from their shared counter (64 rows: a
+few microseconds of streaming; 8 was slower, 32 the same)."""
 comptime MC = 64
-"""Input rows per pass over a task's band of `w`: many rows (a prefill through a
-float16 weight) are taken this many at a time, so they stay in L2 while the band
-streams past once per pass."""
+"""Input rows per pass over `w`: many rows (a prefill through a float16 weight) are
+taken this many at a time, so they stay in L2 while `w` streams past once per pass;
+a work item is one chunk in one pass."""
 
 
 @always_inline
@@ -42,19 +55,31 @@ def _tile[wdt: DType, mt: Int, r: Int](
     K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool,
 ):
     """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end."""
+    comptime u = max(1, LINE // (SW * size_of[wdt]()))
+    """SIMD loads per weight row per iteration: one cache line of each row."""
     var acc = Array[SIMD[DType.float32, SW], mt * r](fill=0)
+    var kl = (K // (SW * u)) * (SW * u)
     var kv = (K // SW) * SW
     var k = 0
-    while k < kv:
-        var ws = Array[SIMD[DType.float32, SW], r](fill=0)
+    while k < kl:
         comptime for j in range(r):
-            ws[j] = w.unsafe_load[width=SW]((n0 + j) * K + k).cast[DType.float32]()
             # The next block's rows, one block ahead: turns r short streams into one long one.
             prefetch[PrefetchOptions().for_read().medium_locality()](w + (n0 + r + j) * K + k)
-        comptime for i in range(mt):
-            var xv = x.unsafe_load[width=SW]((m0 + i) * K + k)
+        comptime for v in range(u):
+            var ws = Array[SIMD[DType.float32, SW], r](fill=0)
             comptime for j in range(r):
-                acc[i * r + j] = fma(ws[j], xv, acc[i * r + j])
+                ws[j] = w.unsafe_load[width=SW]((n0 + j) * K + k + v * SW).cast[DType.float32]()
+            comptime for i in range(mt):
+                var xv = x.unsafe_load[width=SW]((m0 + i) * K + k + v * SW)
+                comptime for j in range(r):
+                    acc[i * r + j] = fma(ws[j], xv, acc[i * r + j])
+        k += SW * u
+    while k < kv:
+        comptime for j in range(r):
+            var wv = w.unsafe_load[width=SW]((n0 + j) * K + k).cast[DType.float32]()
+            comptime for i in range(mt):
+                var xv = x.unsafe_load[width=SW]((m0 + i) * K + k)
+                acc[i * r + j] = fma(wv, xv, acc[i * r + j])
         k += SW
     comptime for i in range(mt):
         comptime for j in range(r):
@@ -87,18 +112,26 @@ def skinny_matmul[wdt: DType](
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     var nblocks = N // R
+    var nchunks = max(1, ceildiv(nblocks, CHUNK_BLOCKS))
+    var items = nchunks * ceildiv(M, MC)
+    var next_item = Atomic[Int64](0)
+    var counter = UnsafePointer(to=next_item)
 
-    def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm nblocks, imm ntasks}:
-        var first = t * nblocks // ntasks
-        var last = (t + 1) * nblocks // ntasks
-        for m0 in range(0, M, MC):
+    def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm nblocks, imm nchunks, imm items, imm counter}:
+        while True:
+            var item = Int(counter[].fetch_add(1))
+            if item >= items:
+                return
+            var m0 = item // nchunks * MC
+            var chunk = item % nchunks
             var xm = x + m0 * K
             var ym = y + m0 * N
             var mc = min(MC, M - m0)
-            for blk in range(first, last):
+            for blk in range(chunk * CHUNK_BLOCKS, min((chunk + 1) * CHUNK_BLOCKS, nblocks)):
                 _block[wdt, R](xm, w, b, ym, mc, K, N, blk * R, has_bias)
-            if t == ntasks - 1:
+            if chunk == nchunks - 1:
                 for n in range(nblocks * R, N):
                     _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
 
     sync_parallelize(task, ntasks, ctx)
+    _ = next_item^  # the counter lives until every task is done with it
