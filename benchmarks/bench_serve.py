@@ -66,6 +66,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -128,8 +129,12 @@ def serve(
     return max_serve(weights, *args, log=log, devices=devices, env=env)
 
 
-async def stream_one(api: AsyncOpenAI, tokens: list[int], max_tokens: int) -> dict:
-    """One streamed greedy request: its tokens and the arrival time of each."""
+async def stream_one(
+    api: AsyncOpenAI, tokens: list[int], max_tokens: int,
+    on_first_token: Callable[[], object] | None = None,
+) -> dict:
+    """One streamed greedy request: its tokens and the arrival time of each;
+    `on_first_token` is called as the first token arrives."""
     start = time.perf_counter()
     arrivals: list[float] = []
     out: list[int] = []
@@ -141,6 +146,8 @@ async def stream_one(api: AsyncOpenAI, tokens: list[int], max_tokens: int) -> di
             new = chunk.choices[0].model_extra["token_ids"]
             out += new
             arrivals += [time.perf_counter() - start] * len(new)
+            if on_first_token is not None and len(out) == len(new):
+                on_first_token()
     return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
 
 

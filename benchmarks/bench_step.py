@@ -67,7 +67,7 @@ import llama_cpp_tools
 import numpy as np
 import psutil
 import worker_probe
-from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve
+from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve, stream_one
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
@@ -81,8 +81,6 @@ from gpt2_max import kernels
 from gpt2_max.generate import Generator
 from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
 from gpt2_max.shims.internals import gguf_reader
-from gpt2_max.testing.load import GREEDY
-from gpt2_max.testing.server import MODEL_NAME
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.tools.gguf_config import huggingface_config
 from gpt2_max.weights.gguf import convert_gguf_state_dict, metadata
@@ -193,7 +191,7 @@ def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[s
     with tempfile.TemporaryDirectory() as scratch:
         probe = Path(scratch) / "probe"
         probe.mkdir()
-        env = {**worker_probe.sitecustomize_folder(probe), **env}
+        env = worker_probe.server_env(probe, env)
         with serve(path, *SERVE_ARGS, devices="cpu", log=Path(scratch) / "server.log",
                    env=env) as server:
             root = psutil.Process(server.pid)
@@ -223,24 +221,24 @@ def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[s
 async def stream_probed(
     url: str, new_tokens: int, probe: Path | None
 ) -> tuple[list[float], tuple[dict, dict] | None]:
-    """One streamed greedy request of `PROMPT`: each token's arrival time, and the model
-    worker's probe totals read as the first token arrives and after the last (so they
-    cover the decode steps only), when `probe` is given."""
-    arrivals: list[float] = []
+    """One streamed greedy request of `PROMPT` (`stream_one`): each token's arrival
+    time, and the model worker's probe totals read as the first token arrives and
+    after the last (so they cover the decode steps only), when `probe` is given. The
+    first read holds the client's event loop for a step or two; the tokens wait in
+    the socket meanwhile, and the decode's time runs from the first token's arrival."""
     totals: list[dict] = []
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as api:
-        stream = await api.completions.create(
-            model=MODEL_NAME, prompt=PROMPT, max_tokens=new_tokens, stream=True, **GREEDY
-        )
-        async for chunk in stream:
-            new = chunk.choices[0].model_extra.get("token_ids") if chunk.choices else None
-            if new:
-                arrivals += [time.perf_counter()] * len(new)
-                if probe is not None and not totals:
-                    totals.append(worker_probe.request_totals(probe))
-    if probe is not None:
+
+    def read_totals() -> None:
         totals.append(worker_probe.request_totals(probe))
-    return arrivals, (totals[0], totals[1]) if probe is not None else None
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as api:
+        result = await stream_one(
+            api, PROMPT, new_tokens, on_first_token=read_totals if probe else None
+        )
+    if probe is None:
+        return result["arrivals"], None
+    read_totals()
+    return result["arrivals"], (totals[0], totals[1])
 
 
 def sampler_alone(vocab_size: int, repeat: int, previous: int = 100) -> float:
@@ -467,7 +465,8 @@ def main() -> None:
 def print_served(served: dict[str, float], step: float | None = None) -> None:
     """The `serve` part's table: the token's time through `max serve`, MAX's parts of
     one step in the model worker, the CPU each server process took."""
-    over = f" ({served['token'] - step:+.2f} over the in-process step)" if step else ""
+    over = (f" ({served['token'] - step:+.2f} over the in-process step)"
+            if step is not None else "")
     print(f"  through max serve: {served['token']:.2f} ms per token{over}")
     iteration, execute = served["scheduler iteration"], served["pipeline.execute"]
     pipeline_parts = ("model graph", "prepare_batch", "sampler setup", "sampler")

@@ -2,7 +2,7 @@
 
 A served decode step runs in MAX's model worker, a process the benchmark does not
 own, so the benchmark starts the server with `PYTHONPATH` holding a folder
-(`sitecustomize_folder`) whose `sitecustomize.py` calls `arm()` in every
+(`server_env`) whose `sitecustomize.py` calls `arm()` in every
 process of the server. `arm` wraps each function in `PARTS` with a timer as
 soon as its module is imported, in whichever process imports it; the model
 worker, the one process running scheduler iterations, writes its running totals
@@ -85,12 +85,14 @@ def missing_parts() -> list[str]:
     return missing
 
 
-def sitecustomize_folder(folder: Path) -> dict[str, str]:
-    """Writes the `sitecustomize.py` that arms the probe into `folder`; returns the
-    environment a server needs for it (this module's folder importable too)."""
+def server_env(folder: Path, env: dict[str, str]) -> dict[str, str]:
+    """`env` for a server whose processes arm the probe: writes the `sitecustomize.py`
+    that does it into `folder`, and puts `folder` and this module's own ahead of any
+    `PYTHONPATH` in `env` or in this process's environment."""
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    path = [str(folder), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-    return {"PYTHONPATH": os.pathsep.join(p for p in path if p), FOLDER_ENV: str(folder)}
+    rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    path = [str(folder), str(Path(__file__).parent), rest]
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p), FOLDER_ENV: str(folder)}
 
 
 def arm() -> None:
@@ -104,12 +106,17 @@ def arm() -> None:
     original_import = builtins.__import__
 
     def answer() -> None:
-        """Writes the totals if the benchmark asked for them since the last iteration."""
-        if request.exists():
-            staged = totals_file.with_suffix(".tmp")
-            staged.write_text(json.dumps(totals))
-            staged.replace(totals_file)
-            request.unlink()
+        """Writes the totals if the benchmark asked for them since the last iteration.
+        Runs inside MAX's scheduler loop, so a file error is dropped, never raised
+        into the server (the benchmark then times out, naming the folder)."""
+        try:
+            if request.exists():
+                staged = totals_file.with_suffix(".tmp")
+                staged.write_text(json.dumps(totals))
+                staged.replace(totals_file)
+                request.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def wrap(name: str, module: str, qualname: str) -> None:
         owner_name, attribute = qualname.split(".")
@@ -143,8 +150,9 @@ def arm() -> None:
 
 
 def request_totals(folder: Path, timeout_s: float = 10.0) -> dict[str, list[float]]:
-    """The model worker's running totals as of its next scheduler iteration (it runs one
-    at least every 10 ms, idle or not): `[seconds, calls]` per part."""
+    """The model worker's running totals as of its next scheduler iteration (MAX's
+    worker loop runs one every few milliseconds even when idle): `[seconds, calls]`
+    per part."""
     request, totals_file = folder / REQUEST, folder / TOTALS
     totals_file.unlink(missing_ok=True)
     request.touch()
@@ -160,5 +168,10 @@ def per_step(before: dict[str, list[float]], after: dict[str, list[float]]) -> d
     """Milliseconds per step (per `pipeline.execute` call) of each part between two
     `request_totals`."""
     steps = after["pipeline.execute"][1] - before["pipeline.execute"][1]
+    if steps == 0:
+        raise RuntimeError(
+            "the model worker ran no TextGenerationPipeline.execute between the two reads "
+            "(another pipeline class, such as MAX's overlap pipeline?)"
+        )
     return {name: (after[name][0] - before[name][0]) / steps * 1e3 for name in PARTS}
 

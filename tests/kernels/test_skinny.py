@@ -17,8 +17,10 @@ ROWS = (1, 2, 3, 4, 5, 7, 8, 9, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 64, 131)
 """Every register-tile height, full tiles plus each remainder, more rows than a tile, and
 more than one pass of rows (a prefill through float16 weights), whole and with a tail;
 either side of the switch to MAX's matmul for float32 weights."""
-SHAPES = ((768, 2304), (17, 1), (33, 5), (100, 37), (3072, 768), (16, 4))
-"""(K, N): multiples of the vector width and of the row block, and neither."""
+SHAPES = ((768, 2304), (17, 1), (33, 5), (100, 37), (3072, 768), (16, 4), (100, 151))
+"""(K, N): multiples of the vector width and of the row block, and neither; N of many
+chunks (`CHUNK_BLOCKS` blocks of rows each), and of several with a short last one and
+rows past the last whole block."""
 WEIGHT_DTYPES = {DType.float32: np.float32, DType.float16: np.float16}
 """Weight types the kernel reads; activations, bias and output are float32."""
 

@@ -4,8 +4,9 @@
 feature `n`, `BYTES` bytes each, in ggml's block layout (no repack). `x`, `b` and `y`
 are float32.
 
-At a few rows a step costs the bytes of `W`, so the work split follows `skinny.mojo`:
-each task owns a contiguous band of weight rows and streams it once; each block is
+At a few rows a step costs the bytes of `W`, so each task owns a contiguous band of
+weight rows and streams it once (`skinny.mojo`'s tasks take chunks from a shared
+counter instead, which this kernel does not do yet); each block is
 decoded once per tile of up to `MT` input rows and multiplied into per-row
 accumulators while its bytes are in L1. Many rows (a prefill) take the same path in
 chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a kernel

@@ -7,14 +7,14 @@ accumulates in float32.
 A decode step multiplies a handful of rows by every weight matrix once, so its cost is
 streaming the weights from memory. `w` is read exactly once, in chunks of
 `CHUNK_BLOCKS` blocks of `R` rows: for every block, all `M` input rows are
-multiplied in tiles of up to `MT` rows while the block is still in L1. Each row is
-read a cache line per iteration (two SIMD loads of float16, one of float32).
+multiplied in tiles of up to `MT` rows while the block is still in L1, a cache line
+of each row per iteration (as many SIMD loads as a line holds of `w`'s type).
 
 The tasks (one per runtime thread) take chunks from a shared counter rather than a
-fixed half each: an op ends when its last task does, and a thread that streams
+fixed share each: an op ends when its last task does, and a thread that streams
 slower, or loses its core for a while to another process (the API process of a
-served model), would otherwise hold the whole step up; with chunks the other thread
-takes its share of the rest.
+served model), would otherwise hold the whole step up; with chunks the others take
+its part of the rest.
 
 That order is the fastest at a few rows and not at many, where reusing each loaded
 weight across rows matters more than streaming: the ops in `ops.mojo` hand float32
@@ -41,8 +41,9 @@ comptime R = 4
 comptime MT = 4
 """Input rows per register tile: MT * R accumulators."""
 comptime CHUNK_BLOCKS = 16
-"""Blocks per chunk, the unit the tasks take from their shared counter (64 rows: a
-few microseconds of streaming; 8 was slower, 32 the same)."""
+"""Blocks per chunk, the unit the tasks take from their shared counter: a few
+microseconds of streaming, short enough to share a small projection out evenly, long
+enough that taking one costs nothing beside it (README, "Inside a served step")."""
 comptime MC = 64
 """Input rows per pass over `w`: many rows (a prefill through a float16 weight) are
 taken this many at a time, so they stay in L2 while `w` streams past once per pass;
