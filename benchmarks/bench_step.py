@@ -469,16 +469,14 @@ def print_served(served: dict[str, float], step: float | None = None) -> None:
             if step is not None else "")
     print(f"  through max serve: {served['token']:.2f} ms per token{over}")
     iteration, execute = served["scheduler iteration"], served["pipeline.execute"]
-    pipeline_parts = ("model graph", "prepare_batch", "sampler setup", "sampler")
-    scheduler_parts = ("requests drained", "batch construction", "requests advanced",
-                       "response pushed", "batch metrics")
+    inside, beside = worker_probe.PIPELINE_PARTS, worker_probe.SCHEDULER_PARTS
     rows = [
         ("scheduler iteration", iteration, 4),
         ("pipeline.execute", execute, 6),
-        *((name, served[name], 8) for name in pipeline_parts),
-        ("pipeline, other", execute - sum(served[n] for n in pipeline_parts), 8),
-        *((name, served[name], 6) for name in scheduler_parts),
-        ("scheduler, other", iteration - execute - sum(served[n] for n in scheduler_parts), 6),
+        *((name, served[name], 8) for name in inside),
+        ("pipeline, other", execute - sum(served[n] for n in inside), 8),
+        *((name, served[name], 6) for name in beside),
+        ("scheduler, other", iteration - execute - sum(served[n] for n in beside), 6),
         ("between iterations", served["token"] - iteration, 4),
     ]
     for name, value, indent in rows:

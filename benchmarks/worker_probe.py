@@ -63,6 +63,14 @@ PARTS: dict[str, tuple[str, str]] = {
 }
 """Each timed part: the module MAX defines it in and its qualified name there."""
 
+PIPELINE_PARTS = ("model graph", "prepare_batch", "sampler setup", "sampler")
+"""The parts MAX's `pipeline.execute` calls."""
+SCHEDULER_PARTS = (
+    "requests drained", "batch construction", "requests advanced", "response pushed",
+    "batch metrics",
+)
+"""The parts MAX's scheduler iteration calls beside `pipeline.execute`."""
+
 FOLDER_ENV = "GPT2_MAX_WORKER_PROBE"
 """Where the totals go; `arm` does nothing in a process without it."""
 
