@@ -4,10 +4,10 @@
 feature `n`, `BYTES` bytes each, in ggml's block layout (no repack). `x`, `b` and `y`
 are float32.
 
-At a few rows a step costs the bytes of `W`, so each task owns a contiguous band of
-weight rows and streams it once (`skinny.mojo`'s tasks take chunks from a shared
-counter instead, which this kernel does not do yet); each block is
-decoded once per tile of up to `MT` input rows and multiplied into per-row
+At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
+of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`skinny.share_out`: each task
+streams a band, then takes over what is left of the others'); each block is decoded
+once per tile of up to `MT` input rows and multiplied into per-row
 accumulators while its bytes are in L1. Many rows (a prefill) take the same path in
 chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a kernel
 that decodes a band once for all rows, but every row count runs one arithmetic, and a
@@ -34,14 +34,12 @@ agreement with the float model, which the second term gives back.
 Formats (`fmt`, the GGML type id): Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14).
 """
 
-from std.math import fma
+from std.math import ceildiv, fma
 from std.memory import bitcast
 from std.sys import CompilationTarget
 from std.sys.intrinsics import PrefetchOptions, llvm_intrinsic, prefetch
 
-from max.algorithm import sync_parallelize
-
-from .skinny import CpuCtx, F32Ptr
+from .skinny import CHUNK_ROWS, CpuCtx, F32Ptr, share_out
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime V = 16
@@ -87,6 +85,23 @@ def block_bytes[fmt: Int]() -> Int:
         return 176
     else:
         return 210
+
+
+def _share_rows[Row: def(Int, Int, Int) -> None](
+    row: Row, M: Int, N: Int, ntasks: Int, ctx: Optional[CpuCtx]
+) raises:
+    """`row(m_begin, m_end, n)` for every weight row `n` and every pass of up to `MC`
+    input rows, shared out (`skinny.share_out`) in items of `CHUNK_ROWS` weight rows of
+    one pass."""
+    var nchunks = ceildiv(N, CHUNK_ROWS)
+
+    def item(i: Int) {imm row, imm M, imm N, imm nchunks}:
+        var m0 = i // nchunks * MC
+        var n0 = i % nchunks * CHUNK_ROWS
+        for n in range(n0, min(n0 + CHUNK_ROWS, N)):
+            row(m0, min(m0 + MC, M), n)
+
+    share_out(item, nchunks * ceildiv(M, MC), ntasks, ctx)
 
 
 @always_inline
@@ -509,14 +524,10 @@ def _packed_bf16[fmt: Int](
 ) raises:
     var xp = _XPrep(x, M, K, sums=fmt != Q6_K, q4k_order=fmt == Q4_K)
 
-    def task(t: Int) {imm xp, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
-        var first = t * N // ntasks
-        var last = (t + 1) * N // ntasks
-        for c0 in range(0, M, MC):
-            for n in range(first, last):
-                _row_bf16[fmt](xp, w, b, y, K, N, c0, min(c0 + MC, M), n, has_bias)
+    def row(m_begin: Int, m_end: Int, n: Int) {imm xp, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        _row_bf16[fmt](xp, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    sync_parallelize(task, ntasks, ctx)
+    _share_rows(row, M, N, ntasks, ctx)
     xp.free()
 
 
@@ -740,14 +751,10 @@ def _packed_vnni[fmt: Int, terms: Int](
 ) raises:
     var xq = _X8[fmt, terms](x, M, K)
 
-    def task(t: Int) {imm xq, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
-        var first = t * N // ntasks
-        var last = (t + 1) * N // ntasks
-        for c0 in range(0, M, MC):
-            for n in range(first, last):
-                _row_vnni[fmt, terms](xq, w, b, y, K, N, c0, min(c0 + MC, M), n, has_bias)
+    def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        _row_vnni[fmt, terms](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    sync_parallelize(task, ntasks, ctx)
+    _share_rows(row, M, N, ntasks, ctx)
     xq.free()
 
 
@@ -784,11 +791,7 @@ def packed_matmul[fmt: Int, dot: Int](
         _packed_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
 
-    def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm ntasks}:
-        var first = t * N // ntasks
-        var last = (t + 1) * N // ntasks
-        for c0 in range(0, M, MC):
-            for n in range(first, last):
-                _row[fmt](x, w, b, y, K, N, c0, min(c0 + MC, M), n, has_bias)
+    def row(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        _row[fmt](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    sync_parallelize(task, ntasks, ctx)
+    _share_rows(row, M, N, ntasks, ctx)

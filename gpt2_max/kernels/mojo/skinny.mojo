@@ -10,11 +10,12 @@ streaming the weights from memory. `w` is read exactly once, in chunks of
 multiplied in tiles of up to `MT` rows while the block is still in L1, a cache line
 of each row per iteration (as many SIMD loads as a line holds of `w`'s type).
 
-The tasks (one per runtime thread) take chunks from a shared counter rather than a
-fixed share each: an op ends when its last task does, and a thread that streams
-slower, or loses its core for a while to another process (the API process of a
-served model), would otherwise hold the whole step up; with chunks the others take
-its part of the rest.
+The tasks (one per runtime thread) each stream a band of chunks, then take what is
+left of the others' bands (`share_out`): an op ends when its last task does, and a
+thread that streams slower, or loses its core for a while to another process (the
+API process of a served model), would otherwise hold the whole step up; the others
+take over the rest of its band, while each task still reads one contiguous range
+when nothing gets in the way.
 
 That order is the fastest at a few rows and not at many, where reusing each loaded
 weight across rows matters more than streaming: the ops in `ops.mojo` hand float32
@@ -41,9 +42,11 @@ comptime R = 4
 comptime MT = 4
 """Input rows per register tile: MT * R accumulators."""
 comptime CHUNK_BLOCKS = 16
-"""Blocks per chunk, the unit the tasks take from their shared counter: a few
+"""Blocks per chunk, the unit the tasks take from their bands' counters: a few
 microseconds of streaming, short enough to share a small projection out evenly, long
 enough that taking one costs nothing beside it (README, "Inside a served step")."""
+comptime CHUNK_ROWS = CHUNK_BLOCKS * R
+"""Weight rows per chunk."""
 comptime MC = 64
 """Input rows per pass over `w`: many rows (a prefill through a float16 weight) are
 taken this many at a time, so they stay in L2 while `w` streams past once per pass;
@@ -108,31 +111,55 @@ def _block[wdt: DType, r: Int](
             _tile[wdt, rest, r](x, w, b, y, K, N, m0, n0, has_bias)
 
 
+def share_out[Work: def(Int) -> None](
+    work: Work, items: Int, ntasks: Int, ctx: Optional[CpuCtx]
+) raises:
+    """Runs `work(0)` ... `work(items - 1)` on up to `ntasks` tasks.
+
+    Task `t` takes the items of its own band (the `t`-th of equal ranges) in order, so
+    each streams a contiguous range of the weights as with a fixed split; a task done
+    with its band then takes what is left of the others', so one that streams slower,
+    or loses its core for a while, hands the rest of its band over. Each band's next
+    item comes from an atomic counter of its own, so every item runs once.
+    """
+    var tasks = max(1, min(ntasks, items))
+    var taken = alloc[Int64](tasks)
+    for t in range(tasks):
+        taken.unsafe_store(t, 0)
+    var counters = taken.unsafe_bitcast[Atomic[Int64]]()
+
+    def task(t: Int) {imm work, imm items, imm tasks, imm counters}:
+        for k in range(tasks):
+            var band = (t + k) % tasks
+            var first = band * items // tasks
+            var size = (band + 1) * items // tasks - first
+            while True:
+                var i = Int(counters[band].fetch_add(1))
+                if i >= size:
+                    break
+                work(first + i)
+
+    sync_parallelize(task, tasks, ctx)
+    taken.free()
+
+
 def skinny_matmul[wdt: DType](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     var nblocks = N // R
     var nchunks = max(1, ceildiv(nblocks, CHUNK_BLOCKS))
-    var items = nchunks * ceildiv(M, MC)
-    var next_item = Atomic[Int64](0)
-    var counter = UnsafePointer(to=next_item)
 
-    def task(t: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm nblocks, imm nchunks, imm items, imm counter}:
-        while True:
-            var item = Int(counter[].fetch_add(1))
-            if item >= items:
-                return
-            var m0 = item // nchunks * MC
-            var chunk = item % nchunks
-            var xm = x + m0 * K
-            var ym = y + m0 * N
-            var mc = min(MC, M - m0)
-            for blk in range(chunk * CHUNK_BLOCKS, min((chunk + 1) * CHUNK_BLOCKS, nblocks)):
-                _block[wdt, R](xm, w, b, ym, mc, K, N, blk * R, has_bias)
-            if chunk == nchunks - 1:
-                for n in range(nblocks * R, N):
-                    _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
+    def item(i: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm nblocks, imm nchunks}:
+        var m0 = i // nchunks * MC
+        var chunk = i % nchunks
+        var xm = x + m0 * K
+        var ym = y + m0 * N
+        var mc = min(MC, M - m0)
+        for blk in range(chunk * CHUNK_BLOCKS, min((chunk + 1) * CHUNK_BLOCKS, nblocks)):
+            _block[wdt, R](xm, w, b, ym, mc, K, N, blk * R, has_bias)
+        if chunk == nchunks - 1:
+            for n in range(nblocks * R, N):
+                _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
 
-    sync_parallelize(task, ntasks, ctx)
-    _ = next_item^  # the counter lives until every task is done with it
+    share_out(item, nchunks * ceildiv(M, MC), ntasks, ctx)
