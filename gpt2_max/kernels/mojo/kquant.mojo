@@ -39,7 +39,7 @@ from std.memory import bitcast
 from std.sys import CompilationTarget
 from std.sys.intrinsics import PrefetchOptions, llvm_intrinsic, prefetch
 
-from .skinny import CHUNK_ROWS, CpuCtx, F32Ptr, share_out
+from .skinny import CHUNK_ROWS, MC, CpuCtx, F32Ptr, share_passes
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime V = 16
@@ -47,8 +47,6 @@ comptime V = 16
 comptime FV = SIMD[DType.float32, V]
 comptime MT = 4
 """Input rows per register tile: each decoded group is used MT times."""
-comptime MC = 64
-"""Input rows per pass over a task's weight rows (their activations stay in L2)."""
 
 comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
@@ -91,17 +89,13 @@ def _share_rows[Row: def(Int, Int, Int) -> None](
     row: Row, M: Int, N: Int, ntasks: Int, ctx: Optional[CpuCtx]
 ) raises:
     """`row(m_begin, m_end, n)` for every weight row `n` and every pass of up to `MC`
-    input rows, shared out (`skinny.share_out`) in items of `CHUNK_ROWS` weight rows of
-    one pass."""
-    var nchunks = ceildiv(N, CHUNK_ROWS)
+    input rows, shared out (`skinny.share_passes`) in chunks of `CHUNK_ROWS` rows."""
 
-    def item(i: Int) {imm row, imm M, imm N, imm nchunks}:
-        var m0 = i // nchunks * MC
-        var n0 = i % nchunks * CHUNK_ROWS
-        for n in range(n0, min(n0 + CHUNK_ROWS, N)):
-            row(m0, min(m0 + MC, M), n)
+    def chunk(m_begin: Int, m_end: Int, c: Int) {imm row, imm N}:
+        for n in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, N)):
+            row(m_begin, m_end, n)
 
-    share_out(item, nchunks * ceildiv(M, MC), ntasks, ctx)
+    share_passes(chunk, M, ceildiv(N, CHUNK_ROWS), ntasks, ctx)
 
 
 @always_inline

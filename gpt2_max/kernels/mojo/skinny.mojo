@@ -143,6 +143,19 @@ def share_out[Work: def(Int) -> None](
     taken.free()
 
 
+def share_passes[Work: def(Int, Int, Int) -> None](
+    work: Work, M: Int, nchunks: Int, ntasks: Int, ctx: Optional[CpuCtx]
+) raises:
+    """`work(m_begin, m_end, chunk)` for every chunk of a weight and every pass of up to
+    `MC` input rows, one item per chunk and pass, shared out by `share_out`."""
+
+    def item(i: Int) {imm work, imm M, imm nchunks}:
+        var m0 = i // nchunks * MC
+        work(m0, min(m0 + MC, M), i % nchunks)
+
+    share_out(item, nchunks * ceildiv(M, MC), ntasks, ctx)
+
+
 def skinny_matmul[wdt: DType](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
@@ -150,16 +163,14 @@ def skinny_matmul[wdt: DType](
     var nblocks = N // R
     var nchunks = max(1, ceildiv(nblocks, CHUNK_BLOCKS))
 
-    def item(i: Int) {imm x, imm w, imm b, imm y, imm M, imm K, imm N, imm has_bias, imm nblocks, imm nchunks}:
-        var m0 = i // nchunks * MC
-        var chunk = i % nchunks
-        var xm = x + m0 * K
-        var ym = y + m0 * N
-        var mc = min(MC, M - m0)
-        for blk in range(chunk * CHUNK_BLOCKS, min((chunk + 1) * CHUNK_BLOCKS, nblocks)):
+    def chunk(m_begin: Int, m_end: Int, c: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias, imm nblocks, imm nchunks}:
+        var xm = x + m_begin * K
+        var ym = y + m_begin * N
+        var mc = m_end - m_begin
+        for blk in range(c * CHUNK_BLOCKS, min((c + 1) * CHUNK_BLOCKS, nblocks)):
             _block[wdt, R](xm, w, b, ym, mc, K, N, blk * R, has_bias)
-        if chunk == nchunks - 1:
+        if c == nchunks - 1:
             for n in range(nblocks * R, N):
                 _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
 
-    share_out(item, nchunks * ceildiv(M, MC), ntasks, ctx)
+    share_passes(chunk, M, nchunks, ntasks, ctx)
