@@ -46,7 +46,9 @@ With `--llama-tools`, llama.cpp's own `llama-bench` (tg128, pp900) and
 `llama-batched-bench` (8 sequences of 16 + 128 tokens) run on the same files
 (F32 for the float rows; built once by `build_llama_cpp.sh`), and their rows
 stand beside the server's single-request, 8-concurrent and 900-token-prefill
-ones.
+ones. `llama-bench` tg128 also runs in every repetition, right after the server's
+single request on the same file: the "paired" row's ratio is the median of those
+same-minute ratios, the one to read on a machine whose speed drifts.
 
 Results are medians over `--repeat` runs, printed as a table and written as
 JSON to `benchmarks/results/`; the checkpoints (safetensors and GGUF) are kept
@@ -109,6 +111,10 @@ SERVE_ARGS = ("--max-batch-size", "32")
 GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
 """The scenarios each GGUF type runs: one request, and eight at once."""
 GGUF_RSS_BATCH_SIZE = 8
+PAIRED_SCENARIO = "a_single_16"
+"""The scenario timed against `llama-bench` tg128 in every repetition (`--llama-tools`):
+on a shared machine a figure taken minutes apart can move by a third, so this ratio is
+the median of same-minute pairs."""
 WARM_UP_SEED = 999_999
 """No scenario's prompt seed."""
 LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
@@ -253,13 +259,17 @@ def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
 def measure(
     url: str, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None,
     prompts_by_scenario: dict[str, list[list[int]]],
+    paired_tg: Callable[[], float] | None = None,
 ) -> dict:
     """One repetition of each scenario: MAX, HF, then the peer if there is one; every
-    output is checked against `hf`."""
+    output is checked against `hf`. With `paired_tg` (llama-bench's tg128 on the same
+    file, tokens per second), the one-request scenario is also timed against it, run
+    right after, so that ratio compares the two engines in the same minute."""
     row: dict[str, dict] = {}
     for name, prompts in prompts_by_scenario.items():
         new = 1 if name.startswith("d_") else NEW_TOKENS
         ours = asyncio.run(run_max(url, prompts, new))
+        paired = paired_tg() if paired_tg is not None and name == PAIRED_SCENARIO else None
         ref = run_hf(hf, prompts, new)
         theirs = peer.greedy(prompts, new) if peer else None
         if name.startswith("d_"):
@@ -273,6 +283,9 @@ def measure(
             "ttft_s": statistics.median(o["arrivals"][0] for o in ours),
             **verdicts(hf, prompts, [o["tokens"] for o in ours]),
         }
+        if paired is not None:
+            row[name]["paired_tg128_tok_s"] = paired
+            row[name]["max_over_paired_tg128"] = row[name]["max_tok_s"] / paired
         if theirs:
             row[name]["peer_tok_s"] = units / theirs["wall"]
             row[name].update(
@@ -370,6 +383,16 @@ def llama_tools(path: Path, flash_attn: bool, repetition: int = 0) -> dict[str, 
     return {**rows, "batched_tg": batched["tg"], **served}
 
 
+def paired_tg128(path: Path, args: argparse.Namespace) -> Callable[[], float] | None:
+    """`llama-bench` tg128 on `path`, tokens per second, as `measure` pairs it with the
+    one-request scenario; None without `--llama-tools`."""
+    if not args.llama_tools:
+        return None
+    return lambda: llama_cpp_tools.llama_bench(
+        path, THREADS, prompt=0, generate=NEW_TOKENS, flash_attn=args.llama_flash_attn
+    )[f"tg{NEW_TOKENS}"]
+
+
 def print_tool_rows(result: dict) -> None:
     """The server's rows beside llama.cpp's own tools on the same file."""
     tables = {"f32": (result["median"], result["llama_tools"])}
@@ -383,6 +406,13 @@ def print_tool_rows(result: dict) -> None:
             ours, theirs = median[scenario]["max_tok_s"], tools[figure]
             print(f"{label:<8}{scenario:<22}{ours:>11.1f}  {tool:<36}{theirs:>9.1f}"
                   f"{ours / theirs:>10.2f}{1e3 / ours:>11.2f} / {1e3 / theirs:.2f}")
+        paired = median.get(PAIRED_SCENARIO, {})
+        if "max_over_paired_tg128" in paired:
+            ours, theirs = paired["max_tok_s"], paired["paired_tg128_tok_s"]
+            print(f"{label:<8}{PAIRED_SCENARIO:<22}{ours:>11.1f}  "
+                  f"{'llama-bench tg128, paired':<36}{theirs:>9.1f}"
+                  f"{paired['max_over_paired_tg128']:>10.2f}"
+                  f"{1e3 / ours:>11.2f} / {1e3 / theirs:.2f}")
 
 
 def cpu_model() -> str:
@@ -496,7 +526,7 @@ def measure_gguf(
             measure(server.url, reference, peer, {
                 name: prompts for name, prompts in scenarios(args.quick, repetition).items()
                 if name in GGUF_SCENARIOS
-            })
+            }, paired_tg128(path, args))
             for repetition in range(args.repeat)
         ]
     rss = rss_by_batch_size(path, [GGUF_RSS_BATCH_SIZE], args.devices, scratch)
@@ -563,7 +593,8 @@ def main() -> None:
         warm_up(server.url)
         rss = PeakRss(server.pid)
         runs = [
-            {**measure(server.url, hf, peer, scenarios(args.quick, repetition)),
+            {**measure(server.url, hf, peer, scenarios(args.quick, repetition),
+                       paired_tg128(gguf_file(checkpoint, "f32"), args)),
              **context_ratio(server.url, hf, repetition)}
             for repetition in range(args.repeat)
         ]
