@@ -257,21 +257,24 @@ def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
 
 
 def measure(
-    url: str, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None,
+    server: Server, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None,
     prompts_by_scenario: dict[str, list[list[int]]],
     paired_tg: Callable[[], float] | None = None,
 ) -> dict:
     """One repetition of each scenario: MAX, HF, then the peer if there is one; every
     output is checked against `hf`. With `paired_tg` (llama-bench's tg128 on the same
     file, tokens per second), the one-request scenario is also timed against it, run
-    right after, so that ratio compares the two engines in the same minute."""
+    right after, so that ratio compares the two engines in the same minute. The other
+    engines run with the server paused (`Server.paused`)."""
     row: dict[str, dict] = {}
     for name, prompts in prompts_by_scenario.items():
         new = 1 if name.startswith("d_") else NEW_TOKENS
-        ours = asyncio.run(run_max(url, prompts, new))
-        paired = paired_tg() if paired_tg is not None and name == PAIRED_SCENARIO else None
-        ref = run_hf(hf, prompts, new)
-        theirs = peer.greedy(prompts, new) if peer else None
+        ours = asyncio.run(run_max(server.url, prompts, new))
+        with server.paused():
+            paired = (paired_tg() if paired_tg is not None and name == PAIRED_SCENARIO
+                      else None)
+            ref = run_hf(hf, prompts, new)
+            theirs = peer.greedy(prompts, new) if peer else None
         if name.startswith("d_"):
             units = len(prompts[0])  # prompt tokens processed
         else:
@@ -295,13 +298,14 @@ def measure(
     return row
 
 
-def context_ratio(url: str, hf: GPT2LMHeadModel, repetition: int) -> dict:
+def context_ratio(server: Server, hf: GPT2LMHeadModel, repetition: int) -> dict:
     """Scenario e: decode speed at 900 tokens of context over that at 16, MAX and HF."""
     seed = 1000 * repetition + 4
     short_prompt, long_prompt = random_prompt(16, seed), random_prompt(900, seed + 1)
-    short = asyncio.run(run_max(url, [short_prompt], NEW_TOKENS))
-    long = asyncio.run(run_max(url, [long_prompt], 120))
-    hf_ratio = hf_decode_rate(hf, long_prompt) / hf_decode_rate(hf, short_prompt)
+    short = asyncio.run(run_max(server.url, [short_prompt], NEW_TOKENS))
+    long = asyncio.run(run_max(server.url, [long_prompt], 120))
+    with server.paused():
+        hf_ratio = hf_decode_rate(hf, long_prompt) / hf_decode_rate(hf, short_prompt)
     return {"e_decode_900_over_16": {
         "max_ratio": decode_rate(long[0]["arrivals"]) / decode_rate(short[0]["arrivals"]),
         "hf_ratio": hf_ratio,
@@ -523,7 +527,7 @@ def measure_gguf(
     ):
         warm_up(server.url)
         runs = [
-            measure(server.url, reference, peer, {
+            measure(server, reference, peer, {
                 name: prompts for name, prompts in scenarios(args.quick, repetition).items()
                 if name in GGUF_SCENARIOS
             }, paired_tg128(path, args))
@@ -593,9 +597,9 @@ def main() -> None:
         warm_up(server.url)
         rss = PeakRss(server.pid)
         runs = [
-            {**measure(server.url, hf, peer, scenarios(args.quick, repetition),
+            {**measure(server, hf, peer, scenarios(args.quick, repetition),
                        paired_tg128(gguf_file(checkpoint, "f32"), args)),
-             **context_ratio(server.url, hf, repetition)}
+             **context_ratio(server, hf, repetition)}
             for repetition in range(args.repeat)
         ]
         sweep = concurrency_sweep(server.url, [int(n) for n in args.sweep.split(",")])

@@ -144,6 +144,14 @@ class PeakRss:
         return self.peak
 
 
+def _stopped(process: psutil.Process) -> bool:
+    """Whether `process` is stopped, or gone (an exited one holds nothing up)."""
+    try:
+        return process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
 @dataclass
 class Server:
     url: str
@@ -156,6 +164,28 @@ class Server:
     """The name requests give in `model`."""
     metrics_url: str = ""
     """Its Prometheus endpoint, `http://127.0.0.1:PORT/metrics`."""
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server's process tree stopped (SIGSTOP) for the block, then resumed.
+
+        An idle `max serve` is not idle: MAX's model worker polls its queues, and
+        an engine timed beside it loses that CPU (README, "Benchmark"). Requests
+        sent while paused wait until the block ends.
+        """
+        root = psutil.Process(self.pid)
+        tree = [root, *root.children(recursive=True)]
+        for process in tree:
+            process.suspend()
+        # SIGSTOP lands asynchronously: wait until the whole tree has stopped.
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and not all(map(_stopped, tree)):
+            time.sleep(0.001)
+        try:
+            yield
+        finally:
+            for process in tree:
+                process.resume()
 
     def kv_cache_bytes(self) -> float:
         """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""

@@ -65,3 +65,23 @@ def test_refusal_runs_from_a_venv_that_is_not_activated(gpt2_max_checkpoint, tmp
         [sys.executable, "-c", script, str(broken)], env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+
+
+def test_paused_stops_the_whole_tree_and_resumes_it(tmp_path):
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & sleep 300 & echo started; wait"],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        with leader.stdout:
+            assert leader.stdout.readline() == b"started\n"
+        tree = [psutil.Process(leader.pid), *psutil.Process(leader.pid).children()]
+        assert len(tree) == 3
+        served = server.Server(url="http://127.0.0.1:1", pid=leader.pid, log=tmp_path / "log")
+
+        with served.paused():
+            assert {p.status() for p in tree} == {psutil.STATUS_STOPPED}
+
+        assert psutil.STATUS_STOPPED not in {p.status() for p in tree}
+    finally:
+        server.stop_process_group(leader)
