@@ -15,7 +15,7 @@ Scenarios, each on a random-weight checkpoint of the chosen preset (float32):
 
 plus time to first token, warm and cold server start and the peak RSS of the
 server's process tree. Hugging Face transformers (torch, KV cache) runs the same
-prompts in the same run, idle server beside it, and every MAX output is checked
+prompts in the same run, with the server paused, and every MAX output is checked
 against its greedy tokens: exact, or diverging only at a near-tie (top two HF
 logits within 0.01, where float32 summation order decides), or a MISMATCH.
 Every output also gets a top-1 agreement: the fraction of its tokens that are
@@ -47,8 +47,8 @@ With `--llama-tools`, llama.cpp's own `llama-bench` (tg128, pp900) and
 (F32 for the float rows; built once by `build_llama_cpp.sh`), and their rows
 stand beside the server's single-request, 8-concurrent and 900-token-prefill
 ones. `llama-bench` tg128 also runs in every repetition, right after the server's
-single request on the same file: the "paired" row's ratio is the median of those
-same-minute ratios, the one to read on a machine whose speed drifts.
+single request on the same weights: the "paired" row is the pair whose ratio is the
+median of those same-minute ratios, the one to read on a machine whose speed drifts.
 
 Results are medians over `--repeat` runs, printed as a table and written as
 JSON to `benchmarks/results/`; the checkpoints (safetensors and GGUF) are kept
@@ -113,8 +113,8 @@ GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
 GGUF_RSS_BATCH_SIZE = 8
 PAIRED_SCENARIO = "a_single_16"
 """The scenario timed against `llama-bench` tg128 in every repetition (`--llama-tools`):
-on a shared machine a figure taken minutes apart can move by a third, so this ratio is
-the median of same-minute pairs."""
+a shared machine's speed drifts within minutes, so its ratio is read from same-minute
+pairs."""
 WARM_UP_SEED = 999_999
 """No scenario's prompt seed."""
 LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
@@ -387,10 +387,10 @@ def llama_tools(path: Path, flash_attn: bool, repetition: int = 0) -> dict[str, 
     return {**rows, "batched_tg": batched["tg"], **served}
 
 
-def paired_tg128(path: Path, args: argparse.Namespace) -> Callable[[], float] | None:
+def paired_tg128(path: Path | None, args: argparse.Namespace) -> Callable[[], float] | None:
     """`llama-bench` tg128 on `path`, tokens per second, as `measure` pairs it with the
     one-request scenario; None without `--llama-tools`."""
-    if not args.llama_tools:
+    if path is None or not args.llama_tools:
         return None
     return lambda: llama_cpp_tools.llama_bench(
         path, THREADS, prompt=0, generate=NEW_TOKENS, flash_attn=args.llama_flash_attn
@@ -398,25 +398,33 @@ def paired_tg128(path: Path, args: argparse.Namespace) -> Callable[[], float] | 
 
 
 def print_tool_rows(result: dict) -> None:
-    """The server's rows beside llama.cpp's own tools on the same file."""
-    tables = {"f32": (result["median"], result["llama_tools"])}
-    tables.update((t, (g["median"], g["llama_tools"])) for t, g in result["gguf"].items())
+    """The server's rows beside llama.cpp's own tools on the same weights."""
+    tables = {"f32": (result["median"], result["runs"], result["llama_tools"])}
+    tables.update(
+        (t, (g["median"], g["runs"], g["llama_tools"])) for t, g in result["gguf"].items()
+    )
     print(f"\n{'file':<8}{'MAX scenario':<22}{'MAX tok/s':>11}  {'llama.cpp tool':<36}"
           f"{'tok/s':>9}{'MAX/tool':>10}{'ms/tok MAX / tool':>20}")
-    for label, (median, tools) in tables.items():
+
+    def row(label: str, scenario: str, ours: float, tool: str, theirs: float) -> None:
+        print(f"{label:<8}{scenario:<22}{ours:>11.1f}  {tool:<36}{theirs:>9.1f}"
+              f"{ours / theirs:>10.2f}{1e3 / ours:>11.2f} / {1e3 / theirs:.2f}")
+
+    for label, (median, runs, tools) in tables.items():
         for scenario, figure, tool in TOOL_ROWS:
-            if scenario not in median or figure not in tools:
-                continue
-            ours, theirs = median[scenario]["max_tok_s"], tools[figure]
-            print(f"{label:<8}{scenario:<22}{ours:>11.1f}  {tool:<36}{theirs:>9.1f}"
-                  f"{ours / theirs:>10.2f}{1e3 / ours:>11.2f} / {1e3 / theirs:.2f}")
-        paired = median.get(PAIRED_SCENARIO, {})
-        if "max_over_paired_tg128" in paired:
-            ours, theirs = paired["max_tok_s"], paired["paired_tg128_tok_s"]
-            print(f"{label:<8}{PAIRED_SCENARIO:<22}{ours:>11.1f}  "
-                  f"{'llama-bench tg128, paired':<36}{theirs:>9.1f}"
-                  f"{paired['max_over_paired_tg128']:>10.2f}"
-                  f"{1e3 / ours:>11.2f} / {1e3 / theirs:.2f}")
+            if scenario in median and figure in tools:
+                row(label, scenario, median[scenario]["max_tok_s"], tool, tools[figure])
+        if "max_over_paired_tg128" in runs[0].get(PAIRED_SCENARIO, {}):
+            pair = median_pair(runs)
+            row(label, PAIRED_SCENARIO, pair["max_tok_s"], "llama-bench tg128, median pair",
+                pair["paired_tg128_tok_s"])
+
+
+def median_pair(runs: list[dict]) -> dict:
+    """`PAIRED_SCENARIO` of the run whose paired ratio is the median (of an even
+    count, the lower middle one), so its two figures divide to the ratio shown."""
+    pairs = sorted((r[PAIRED_SCENARIO] for r in runs), key=lambda m: m["max_over_paired_tg128"])
+    return pairs[(len(pairs) - 1) // 2]
 
 
 def cpu_model() -> str:
@@ -589,6 +597,7 @@ def main() -> None:
                    devices=args.devices, env={"XDG_CACHE_HOME": str(start_cache)}):
             startup[label] = time.perf_counter() - start
     shutil.rmtree(start_cache, ignore_errors=True)
+    f32_gguf = gguf_file(checkpoint, "f32") if args.llama_tools else None
     with (
         llama_cpp(args, checkpoint, "f32") as peer,
         serve(checkpoint, *SERVE_ARGS, log=scratch / "server.log",
@@ -598,7 +607,7 @@ def main() -> None:
         rss = PeakRss(server.pid)
         runs = [
             {**measure(server, hf, peer, scenarios(args.quick, repetition),
-                       paired_tg128(gguf_file(checkpoint, "f32"), args)),
+                       paired_tg128(f32_gguf, args)),
              **context_ratio(server, hf, repetition)}
             for repetition in range(args.repeat)
         ]
@@ -615,8 +624,7 @@ def main() -> None:
         "rss_by_max_batch_size": rss_by_batch_size(checkpoint, sizes, args.devices, scratch),
         "llama_cpp_logit_check": logit_check,
         "llama_tools": (
-            llama_tools(gguf_file(checkpoint, "f32"), args.llama_flash_attn)
-            if args.llama_tools else None
+            llama_tools(f32_gguf, args.llama_flash_attn) if f32_gguf else None
         ),
         "gguf": {t: measure_gguf(checkpoint, t, hf, args, scratch) for t in gguf_types},
         "load_avg": os.getloadavg(),

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,8 @@ STARTUP_TIMEOUT_S = 900
 
 STOP_TIMEOUT_S = 30
 """How long the group gets to exit after SIGTERM before it is killed."""
+PAUSE_TIMEOUT_S = 5
+"""How long `Server.paused` waits for every process of the group to stop."""
 
 READY_POLL_S = 0.1
 """How often a starting server is asked whether it answers: `max_serve` yields within
@@ -103,16 +105,22 @@ def stop_process_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
+def _group_statuses(pgid: int) -> list[str]:
+    """The status of every process in process group `pgid`."""
+    statuses = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                statuses.append(p.info["status"])
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return statuses
+
+
 def _group_alive(leader: subprocess.Popen) -> bool:
     """Whether any process of `leader`'s group still runs (zombies do not count)."""
     leader.poll()
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == leader.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return False
+    return any(status != psutil.STATUS_ZOMBIE for status in _group_statuses(leader.pid))
 
 
 def tree_rss(pid: int) -> int:
@@ -144,14 +152,6 @@ class PeakRss:
         return self.peak
 
 
-def _stopped(process: psutil.Process) -> bool:
-    """Whether `process` is stopped, or gone (an exited one holds nothing up)."""
-    try:
-        return process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
-
-
 @dataclass
 class Server:
     url: str
@@ -167,25 +167,27 @@ class Server:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """The server's process tree stopped (SIGSTOP) for the block, then resumed.
+        """The server's process group stopped (SIGSTOP) for the block, then resumed.
 
         An idle `max serve` is not idle: MAX's model worker polls its queues, and
-        an engine timed beside it loses that CPU (README, "Benchmark"). Requests
-        sent while paused wait until the block ends.
+        an engine timed beside it loses that CPU (README, "Benchmark"). The server
+        leads its own process group, so one signal reaches every process of it,
+        however many it has started. Requests sent while paused wait until the
+        block ends.
         """
-        root = psutil.Process(self.pid)
-        tree = [root, *root.children(recursive=True)]
-        for process in tree:
-            process.suspend()
-        # SIGSTOP lands asynchronously: wait until the whole tree has stopped.
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline and not all(map(_stopped, tree)):
-            time.sleep(0.001)
         try:
+            os.killpg(self.pid, signal.SIGSTOP)
+            # SIGSTOP lands asynchronously: the block starts once the whole group has.
+            deadline = time.monotonic() + PAUSE_TIMEOUT_S
+            while any(status not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+                      for status in _group_statuses(self.pid)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"max serve (process group {self.pid}) did not stop")
+                time.sleep(0.001)
             yield
         finally:
-            for process in tree:
-                process.resume()
+            with suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGCONT)
 
     def kv_cache_bytes(self) -> float:
         """The KV-cache size MAX logged at start (`cache_memory: 2.26 GiB`)."""
