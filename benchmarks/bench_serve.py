@@ -50,6 +50,10 @@ ones. `llama-bench` tg128 also runs in every repetition, right after the server'
 single request on the same weights: the "paired" row is the pair whose ratio is the
 median of those same-minute ratios, the one to read on a machine whose speed drifts.
 
+Every stream, `max serve`'s and `llama-server`'s alike, is read by one lean client
+(`streams.py`: server-sent-event lines, one `json.loads` each): the client shares the
+cores with the server it times, so a heavier one for either server would slow that one.
+
 Results are medians over `--repeat` runs, printed as a table and written as
 JSON to `benchmarks/results/`; the checkpoints (safetensors and GGUF) are kept
 in the user's cache folder and the server logs and the cold and warm starts' compile cache go
@@ -72,21 +76,21 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+import httpx
 import llama_cpp_peer
 import llama_cpp_tools
 import numpy as np
+import streams
 import torch
-from openai import AsyncOpenAI
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import (
     hf_greedy,
     hf_on_gguf_weights,
     random_prompt,
     sampleable,
 )
-from gpt2_max.testing.server import MODEL_NAME, PeakRss, Server, max_serve
+from gpt2_max.testing.server import PeakRss, Server, max_serve
 from gpt2_max.tools.checkpoint import (
     convert_to_gguf,
     gguf_file_name,
@@ -135,31 +139,13 @@ def serve(
     return max_serve(weights, *args, log=log, devices=devices, env=env)
 
 
-async def stream_one(
-    api: AsyncOpenAI, tokens: list[int], max_tokens: int,
-    on_first_token: Callable[[], object] | None = None,
-) -> dict:
-    """One streamed greedy request: its tokens and the arrival time of each;
-    `on_first_token` is called as the first token arrives."""
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    out: list[int] = []
-    stream = await api.completions.create(
-        model=MODEL_NAME, prompt=tokens, max_tokens=max_tokens, stream=True, **GREEDY
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
-            new = chunk.choices[0].model_extra["token_ids"]
-            out += new
-            arrivals += [time.perf_counter() - start] * len(new)
-            if on_first_token is not None and len(out) == len(new):
-                on_first_token()
-    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
-
-
 async def run_max(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
-        return list(await asyncio.gather(*(stream_one(api, p, max_tokens) for p in prompts)))
+    """`prompts` sent at once, each streamed (`streams.max_completion`): per request its
+    tokens, their arrival times and its wall time."""
+    async with httpx.AsyncClient(timeout=None) as client:
+        return list(await asyncio.gather(
+            *(streams.max_completion(client, url, p, max_tokens) for p in prompts)
+        ))
 
 
 def warm_up(url: str) -> None:

@@ -63,11 +63,13 @@ from pathlib import Path
 from typing import Any
 
 import bench_start
+import httpx
 import llama_cpp_tools
 import numpy as np
 import psutil
+import streams
 import worker_probe
-from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve, stream_one
+from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
@@ -75,7 +77,6 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 from max.graph.weights import GGUFWeights
 from max.pipelines.lib import SamplingConfig
 from max.pipelines.sampling.sampling import token_sampler
-from openai import AsyncOpenAI
 
 from gpt2_max import kernels
 from gpt2_max.generate import Generator
@@ -221,7 +222,7 @@ def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[s
 async def stream_probed(
     url: str, new_tokens: int, probe: Path | None
 ) -> tuple[list[float], tuple[dict, dict] | None]:
-    """One streamed greedy request of `PROMPT` (`stream_one`): each token's arrival
+    """One streamed greedy request of `PROMPT` (`streams.max_completion`): each token's arrival
     time, and the model worker's probe totals read as the first token arrives and
     after the last (so they cover the decode steps only), when `probe` is given. The
     first read holds the client's event loop for a step or two; the tokens wait in
@@ -231,9 +232,9 @@ async def stream_probed(
     def read_totals() -> None:
         totals.append(worker_probe.request_totals(probe))
 
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="-") as api:
-        result = await stream_one(
-            api, PROMPT, new_tokens, on_first_token=read_totals if probe else None
+    async with httpx.AsyncClient(timeout=None) as client:
+        result = await streams.max_completion(
+            client, url, PROMPT, new_tokens, on_first_token=read_totals if probe else None
         )
     if probe is None:
         return result["arrivals"], None

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import streams
 
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_cpp.sh")
 
@@ -103,30 +104,14 @@ def server(model: Path, threads: int, *, parallel: int, ctx_per_slot: int) -> It
             process.wait()
 
 
-async def _stream(client: httpx.AsyncClient, url: str, tokens: list[int], n: int) -> dict:
-    """One streamed greedy completion of `n` tokens from token ids; arrival times."""
-    body = {"prompt": tokens, "n_predict": n, "stream": True, "top_k": 1, "temperature": 0,
-            "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    out: list[int] = []
-    async with client.stream("POST", f"{url}/completion", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            new = json.loads(line[6:]).get("tokens") or []
-            out += new
-            arrivals += [time.perf_counter() - start] * len(new)
-    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
-
-
 def server_run(url: str, prompts: list[list[int]], n: int) -> list[dict]:
     """`prompts` sent at once to `llama-server`, each streamed; per request its tokens,
     token arrival times and wall time (as `bench_serve.run_max` gives them for MAX)."""
 
     async def run() -> list[dict]:
         async with httpx.AsyncClient(timeout=None) as client:
-            return list(await asyncio.gather(*(_stream(client, url, p, n) for p in prompts)))
+            return list(await asyncio.gather(
+                *(streams.llama_completion(client, url, p, n) for p in prompts)
+            ))
 
     return asyncio.run(run())

@@ -1,0 +1,76 @@
+"""Streamed completions, read the same lean way from every server the benchmarks time.
+
+A benchmark's client runs on the cores the server under test uses, so what the client
+spends on each streamed chunk comes out of the server's step. The OpenAI SDK builds a
+pydantic object per chunk; here every server's stream (`max serve` and `llama-server`
+alike) is read as server-sent-event lines, one `json.loads` each, so no server pays more
+for its client than another.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from gpt2_max.testing.load import GREEDY
+from gpt2_max.testing.server import MODEL_NAME
+
+MAX_GREEDY = {"temperature": GREEDY["temperature"], **GREEDY["extra_body"]}
+"""`GREEDY` as a request body rather than OpenAI-client arguments."""
+
+
+async def stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any],
+    token_ids: Callable[[dict[str, Any]], list[int]],
+    on_first_token: Callable[[], object] | None = None,
+) -> dict:
+    """POSTs `body` to `url` and reads its event stream: the tokens (`token_ids` of each
+    event), each token's arrival time and the wall time. `on_first_token` is called as the
+    first token arrives."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    out: list[int] = []
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            new = token_ids(json.loads(line[6:]))
+            if not new:
+                continue
+            out += new
+            arrivals += [time.perf_counter() - start] * len(new)
+            if on_first_token is not None and len(out) == len(new):
+                on_first_token()
+    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
+
+
+def _completion_token_ids(event: dict[str, Any]) -> list[int]:
+    choices = event.get("choices")
+    return (choices[0].get("token_ids") or []) if choices else []
+
+
+async def max_completion(
+    client: httpx.AsyncClient, base_url: str, tokens: list[int], max_tokens: int,
+    on_first_token: Callable[[], object] | None = None,
+) -> dict:
+    """One streamed greedy completion from `max serve` (OpenAI's completions route)."""
+    body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "stream": True,
+            **MAX_GREEDY}
+    return await stream(client, f"{base_url}/v1/completions", body, _completion_token_ids,
+                        on_first_token)
+
+
+async def llama_completion(
+    client: httpx.AsyncClient, base_url: str, tokens: list[int], max_tokens: int,
+) -> dict:
+    """One streamed greedy completion of `max_tokens` tokens from `llama-server`'s own
+    route, which streams token ids."""
+    body = {"prompt": tokens, "n_predict": max_tokens, "stream": True, "top_k": 1,
+            "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+    return await stream(client, f"{base_url}/completion", body,
+                        lambda event: event.get("tokens") or [])
