@@ -32,7 +32,7 @@ from .layers import layers_for
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .shims.log_probabilities import LazyLogProbabilities
-from .shims.runtime_threads import yield_to_main_thread
+from .shims.runtime_threads import idle_engine_poller, yield_to_main_thread
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 
@@ -62,15 +62,19 @@ class GPT2PipelineModel(
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
+    _poller_pending: bool = False
+    """Whether the next execute, the first on the CPU, idles MAX's engine poller."""
 
     def load_model(self) -> Callable[..., Any]:
         """Compiles the model, then lets the checkpoint's file go (`weights.mapping`);
         on the CPU, MAX's worker threads then yield to the Python that drives each
-        step (`shims.runtime_threads`)."""
+        step, and the engine's poller, which the first execute starts, to both
+        (`shims.runtime_threads`)."""
         announce_compile(self.pipeline_config.model.quantization_encoding)
         compiled = super().load_model()
         release(self.weights)
-        if all(device.is_host for device in self.devices):
+        self._poller_pending = all(device.is_host for device in self.devices)
+        if self._poller_pending:
             yield_to_main_thread()
         return compiled
 
@@ -86,6 +90,9 @@ class GPT2PipelineModel(
         out = tree.unflatten(
             self.model.out_tree, self.model.execute_raw(*model_inputs.buffers)
         )
+        if self._poller_pending:
+            self._poller_pending = False
+            idle_engine_poller()
         return ModelOutputs(
             logits=out.next_token_logits if out.logits is None else out.logits,
             next_token_logits=out.next_token_logits,

@@ -11,9 +11,18 @@ speed and adds milliseconds to every step. A worker a few nice levels below
 the main thread gives its core up as soon as the Python has work, and still
 has the cores to itself while a graph runs, when the main thread waits.
 
-The workers are found by the name the Mojo runtime gives them, which no MAX
-API promises: a MAX that named them otherwise leaves them alone, and
+MAX's engine also starts a thread of its own at a process's first graph
+execute (from `executeFromDriver`, never named) that wakes on a timer some
+five thousand times a second, idle or not. At normal priority each wake
+preempts a worker that is streaming weights, and the op in flight waits for
+that worker to come back. Put in Linux's idle class (`SCHED_IDLE`) it runs on
+a core nothing else wants, or when one frees, and never preempts a worker.
+
+The workers are found by the name the Mojo runtime gives them, the engine's
+poller by how often it wakes; neither is promised by any MAX API: a MAX that
+named the workers otherwise, or had no such poller, is left alone, and
 `tests/shims/test_runtime_threads.py` fails by name.
+`GPT2_MAX_WORKER_NICE=0` leaves every MAX thread as MAX set it.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 logger = logging.getLogger("max.pipelines")
 
@@ -33,6 +43,13 @@ MAX_NICE = 19
 
 WORKER_NAME_PREFIX = "\N{FIRE} Thread"
 """What the Mojo runtime names its CPU worker threads (`🔥 Thread0`, ...)."""
+
+POLLER_WAKES_PER_S = 1000
+"""A thread that wakes more often than this, with the process idle between graphs, is
+the engine's poller (it wakes about 5,000 times a second; every other thread of a
+served or in-process model, well under 100)."""
+POLLER_SAMPLE_S = 0.02
+"""How long `engine_pollers` counts wakes for."""
 
 
 def configured_nice() -> int:
@@ -50,22 +67,59 @@ def configured_nice() -> int:
     return nice
 
 
-def worker_threads(pid: int | None = None) -> list[int]:
-    """Thread ids of the MAX runtime's CPU workers in process `pid` (default: this one;
-    Linux only, empty elsewhere)."""
+def _threads(pid: int | None) -> dict[int, str]:
+    """Thread id to name, for every thread of process `pid` (default: this one; Linux
+    only, empty elsewhere)."""
     if not sys.platform.startswith("linux"):
-        return []
+        return {}
     tasks = f"/proc/{'self' if pid is None else pid}/task"
-    workers = []
+    names = {}
     for tid in os.listdir(tasks):
         try:
             with open(f"{tasks}/{tid}/comm", encoding="utf-8", errors="replace") as f:
-                name = f.read().strip()
+                names[int(tid)] = f.read().strip()
         except OSError:  # the thread ended meanwhile
             continue
-        if name.startswith(WORKER_NAME_PREFIX):
-            workers.append(int(tid))
-    return sorted(workers)
+    return names
+
+
+def _wakes(pid: int | None, tids: list[int]) -> dict[int, int]:
+    """How many times each of `tids` has gone to sleep and woken (its voluntary context
+    switches); a thread that ended is left out."""
+    tasks = f"/proc/{'self' if pid is None else pid}/task"
+    wakes = {}
+    for tid in tids:
+        try:
+            with open(f"{tasks}/{tid}/status", encoding="utf-8") as f:
+                status = f.read()
+        except OSError:
+            continue
+        wakes[tid] = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return wakes
+
+
+def worker_threads(pid: int | None = None) -> list[int]:
+    """Thread ids of the MAX runtime's CPU workers in process `pid` (default: this one;
+    Linux only, empty elsewhere)."""
+    return sorted(
+        tid for tid, name in _threads(pid).items() if name.startswith(WORKER_NAME_PREFIX)
+    )
+
+
+def engine_pollers(pid: int | None = None, sample_s: float = POLLER_SAMPLE_S) -> list[int]:
+    """Thread ids of MAX's engine poller in process `pid` (default: this one): the threads
+    other than the runtime's workers that wake more than `POLLER_WAKES_PER_S` times a
+    second over `sample_s`. Empty before the process's first graph execute."""
+    candidates = [
+        tid for tid, name in _threads(pid).items() if not name.startswith(WORKER_NAME_PREFIX)
+    ]
+    before = _wakes(pid, candidates)
+    time.sleep(sample_s)
+    after = _wakes(pid, list(before))
+    return sorted(
+        tid for tid, wakes in after.items()
+        if wakes - before[tid] > POLLER_WAKES_PER_S * sample_s
+    )
 
 
 def yield_to_main_thread(nice: int | None = None) -> list[int]:
@@ -90,3 +144,20 @@ def yield_to_main_thread(nice: int | None = None) -> list[int]:
         if lowered:
             logger.debug("gpt2_max: MAX's %d CPU workers at nice %d", len(lowered), target)
     return lowered
+
+
+def idle_engine_poller() -> list[int]:
+    """Puts MAX's engine poller (`engine_pollers`) in the idle scheduling class, unless
+    `GPT2_MAX_WORKER_NICE` is 0; returns the thread ids it moved. Call it after the
+    process's first graph execute, which starts the poller; where the system refuses,
+    it warns and the poller stays as it was."""
+    if configured_nice() == 0:
+        return []
+    idled = []
+    try:
+        for tid in engine_pollers():
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            idled.append(tid)
+    except OSError as error:
+        logger.warning("gpt2_max: MAX's engine poller keeps its priority: %s", error)
+    return idled

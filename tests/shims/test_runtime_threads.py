@@ -1,4 +1,5 @@
-"""MAX's CPU workers yield to the Python that drives them, in-process and under `max serve`."""
+"""MAX's CPU workers yield to the Python that drives them, and the engine's poller to both,
+in-process and under `max serve`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from gpt2_max.shims.runtime_threads import (
     MAX_NICE,
     NICE_ENV,
     configured_nice,
+    engine_pollers,
+    idle_engine_poller,
     worker_threads,
     yield_to_main_thread,
 )
@@ -46,6 +49,23 @@ def test_a_loaded_generator_leaves_max_workers_below_its_main_thread(generator) 
     ] * len(workers)
 
 
+def test_a_generator_that_ran_leaves_only_max_engine_poller_idle(generator) -> None:
+    generator.generate([464, 2068], 2)  # the process's first execute starts the poller
+    pollers = engine_pollers()
+    # None found means MAX's engine no longer runs such a thread.
+    assert len(pollers) == 1
+    idle = {tid for tid in map(int, os.listdir("/proc/self/task"))
+            if _scheduler(tid) == os.SCHED_IDLE}
+    assert idle == set(pollers)
+
+
+def _scheduler(tid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(tid)
+    except ProcessLookupError:  # the thread ended meanwhile
+        return None
+
+
 def test_the_served_model_worker_runs_max_workers_below_its_main_thread(
     gpt2_max_server,
 ) -> None:
@@ -65,12 +85,44 @@ def test_a_system_refusing_priorities_costs_a_warning_not_the_load(
     monkeypatch.setattr(
         "gpt2_max.shims.runtime_threads.worker_threads", lambda: [os.getpid()]
     )
-
-    def refuse(*args: object) -> None:
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "setpriority", refuse)
+    monkeypatch.setattr(os, "setpriority", _refuse)
     with caplog.at_level("WARNING", logger="max.pipelines"):
         assert yield_to_main_thread(5) == []
     assert "keep their priority" in caplog.text
     assert yield_to_main_thread(0) == []
+
+
+def test_the_served_model_worker_idles_its_engine_poller(gpt2_max_server) -> None:
+    gpt2_max_server.client.completions.create(
+        model=gpt2_max_server.model, prompt="Hello", max_tokens=2
+    )
+    tree = psutil.Process(gpt2_max_server.pid).children(recursive=True)
+    pollers = {p.pid: engine_pollers(p.pid) for p in tree}
+    # Only the model worker runs graphs, so only it has the poller.
+    (worker,) = [pid for pid, found in pollers.items() if found]
+    assert [os.sched_getscheduler(tid) for tid in pollers[worker]] == [os.SCHED_IDLE]
+
+
+def test_no_worker_nice_leaves_the_engine_poller_as_max_set_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(NICE_ENV, "0")
+    monkeypatch.setattr(os, "sched_setscheduler", _refuse)
+    assert idle_engine_poller() == []
+
+
+def test_a_system_refusing_the_idle_class_costs_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    monkeypatch.setattr(
+        "gpt2_max.shims.runtime_threads.engine_pollers", lambda: [os.getpid()]
+    )
+    monkeypatch.setattr(os, "sched_setscheduler", _refuse)
+    with caplog.at_level("WARNING", logger="max.pipelines"):
+        assert idle_engine_poller() == []
+    assert "keeps its priority" in caplog.text
+
+
+def _refuse(*args: object) -> None:
+    raise PermissionError(1, "Operation not permitted")
