@@ -22,7 +22,8 @@ and why, so nothing else in the package imports a private MAX name:
   first use instead of at every start.
 - `runtime_threads`: MAX's CPU worker threads, found by the name the Mojo
   runtime gives them, put below the thread that drives them
-  (`GPT2_MAX_WORKER_NICE`).
+  (`GPT2_MAX_WORKER_NICE`), and the engine's poller, found by how often it
+  wakes, put in the idle scheduling class.
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,
