@@ -32,7 +32,7 @@ from .layers import layers_for
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .shims.log_probabilities import LazyLogProbabilities
-from .shims.runtime_threads import idle_engine_poller, yield_to_main_thread
+from .shims.runtime_threads import idle_engine_poller, thread_ids, yield_to_main_thread
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 
@@ -62,8 +62,9 @@ class GPT2PipelineModel(
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
-    _poller_pending: bool = False
-    """Whether the next execute, the first on the CPU, idles MAX's engine poller."""
+    _threads_before_load: set[int] | None = None
+    """On the CPU, until the first execute has idled MAX's engine poller: the process's
+    threads before the model loaded, so the poller is told from threads that were there."""
 
     def load_model(self) -> Callable[..., Any]:
         """Compiles the model, then lets the checkpoint's file go (`weights.mapping`);
@@ -71,11 +72,13 @@ class GPT2PipelineModel(
         step, and the engine's poller, which the first execute starts, to both
         (`shims.runtime_threads`)."""
         announce_compile(self.pipeline_config.model.quantization_encoding)
+        on_host = all(device.is_host for device in self.devices)
+        threads = thread_ids()
         compiled = super().load_model()
         release(self.weights)
-        self._poller_pending = all(device.is_host for device in self.devices)
-        if self._poller_pending:
+        if on_host:
             yield_to_main_thread()
+            self._threads_before_load = threads
         return compiled
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
@@ -90,9 +93,9 @@ class GPT2PipelineModel(
         out = tree.unflatten(
             self.model.out_tree, self.model.execute_raw(*model_inputs.buffers)
         )
-        if self._poller_pending:
-            self._poller_pending = False
-            idle_engine_poller()
+        if self._threads_before_load is not None:
+            idle_engine_poller(self._threads_before_load)
+            self._threads_before_load = None
         return ModelOutputs(
             logits=out.next_token_logits if out.logits is None else out.logits,
             next_token_logits=out.next_token_logits,

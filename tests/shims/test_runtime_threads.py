@@ -3,7 +3,11 @@ in-process and under `max serve`."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -16,6 +20,7 @@ from gpt2_max.shims.runtime_threads import (
     configured_nice,
     engine_pollers,
     idle_engine_poller,
+    thread_ids,
     worker_threads,
     yield_to_main_thread,
 )
@@ -49,21 +54,46 @@ def test_a_loaded_generator_leaves_max_workers_below_its_main_thread(generator) 
     ] * len(workers)
 
 
-def test_a_generator_that_ran_leaves_only_max_engine_poller_idle(generator) -> None:
-    generator.generate([464, 2068], 2)  # the process's first execute starts the poller
-    pollers = engine_pollers()
-    # None found means MAX's engine no longer runs such a thread.
-    assert len(pollers) == 1
-    idle = {tid for tid in map(int, os.listdir("/proc/self/task"))
-            if _scheduler(tid) == os.SCHED_IDLE}
-    assert idle == set(pollers)
+GENERATOR_POLLER_SCRIPT = """
+import json, os, sys, time
+from gpt2_max.generate import Generator
+from gpt2_max.shims.runtime_threads import engine_pollers, thread_ids
+with Generator(sys.argv[1], max_batch_size=1) as generator:
+    generator.generate([464, 2068], 2)
+    time.sleep(SETTLE_S)
+    idle = []
+    for tid in thread_ids():
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                idle.append(tid)
+        except ProcessLookupError:
+            pass
+    print(json.dumps({"pollers": engine_pollers(sample_s=SAMPLE_S), "idle": idle}))
+"""
+SETTLE_S = 0.3
+"""How long after a graph the runtime's workers are given to stop spinning, so that a
+thread in the idle class wakes as often as it would on an idle machine."""
+SAMPLE_S = 0.3
 
 
-def _scheduler(tid: int) -> int | None:
-    try:
-        return os.sched_getscheduler(tid)
-    except ProcessLookupError:  # the thread ended meanwhile
-        return None
+def test_a_generator_that_ran_has_max_engine_poller_alone_in_the_idle_class(
+    gpt2_max_checkpoint: Path,
+) -> None:
+    # A process of its own: in this one an earlier test's graph may have started the
+    # poller before any model loaded, and the shim leaves alone a thread it did not see
+    # start.
+    script = GENERATOR_POLLER_SCRIPT.replace("SETTLE_S", repr(SETTLE_S)).replace(
+        "SAMPLE_S", repr(SAMPLE_S)
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(gpt2_max_checkpoint)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    # No poller found means MAX's engine no longer runs such a thread.
+    assert len(found["pollers"]) == 1
+    assert sorted(found["idle"]) == found["pollers"]
 
 
 def test_the_served_model_worker_runs_max_workers_below_its_main_thread(
@@ -92,23 +122,49 @@ def test_a_system_refusing_priorities_costs_a_warning_not_the_load(
     assert yield_to_main_thread(0) == []
 
 
-def test_the_served_model_worker_idles_its_engine_poller(gpt2_max_server) -> None:
+def test_the_served_model_worker_has_its_engine_poller_alone_in_the_idle_class(
+    gpt2_max_server,
+) -> None:
     gpt2_max_server.client.completions.create(
         model=gpt2_max_server.model, prompt="Hello", max_tokens=2
     )
+    time.sleep(SETTLE_S)
     tree = psutil.Process(gpt2_max_server.pid).children(recursive=True)
-    pollers = {p.pid: engine_pollers(p.pid) for p in tree}
+    pollers = {p.pid: engine_pollers(p.pid, sample_s=SAMPLE_S) for p in tree}
     # Only the model worker runs graphs, so only it has the poller.
     (worker,) = [pid for pid, found in pollers.items() if found]
-    assert [os.sched_getscheduler(tid) for tid in pollers[worker]] == [os.SCHED_IDLE]
+    idle = [tid for tid in thread_ids(worker) if _scheduler(tid) == os.SCHED_IDLE]
+    assert len(pollers[worker]) == 1
+    assert sorted(idle) == pollers[worker]
 
 
 def test_no_worker_nice_leaves_the_engine_poller_as_max_set_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(NICE_ENV, "0")
-    monkeypatch.setattr(os, "sched_setscheduler", _refuse)
-    assert idle_engine_poller() == []
+    monkeypatch.setattr(
+        "gpt2_max.shims.runtime_threads.engine_pollers", lambda among: [os.getpid()]
+    )
+    calls = []
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *args: calls.append(args))
+    assert idle_engine_poller(set()) == []
+    assert calls == []
+
+
+def test_only_a_thread_started_since_the_load_can_be_the_poller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(NICE_ENV, raising=False)
+    seen = []
+
+    def pollers(among: set[int]) -> list[int]:
+        seen.append(among)
+        return sorted(among)
+
+    monkeypatch.setattr("gpt2_max.shims.runtime_threads.engine_pollers", pollers)
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *args: None)
+    assert idle_engine_poller(thread_ids()) == []
+    assert seen == [set()]
 
 
 def test_a_system_refusing_the_idle_class_costs_a_warning(
@@ -116,12 +172,19 @@ def test_a_system_refusing_the_idle_class_costs_a_warning(
 ) -> None:
     monkeypatch.delenv(NICE_ENV, raising=False)
     monkeypatch.setattr(
-        "gpt2_max.shims.runtime_threads.engine_pollers", lambda: [os.getpid()]
+        "gpt2_max.shims.runtime_threads.engine_pollers", lambda among: [os.getpid()]
     )
     monkeypatch.setattr(os, "sched_setscheduler", _refuse)
     with caplog.at_level("WARNING", logger="max.pipelines"):
-        assert idle_engine_poller() == []
+        assert idle_engine_poller(set()) == []
     assert "keeps its priority" in caplog.text
+
+
+def _scheduler(tid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(tid)
+    except ProcessLookupError:  # the thread ended meanwhile
+        return None
 
 
 def _refuse(*args: object) -> None:
