@@ -76,7 +76,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-import httpx
 import llama_cpp_peer
 import llama_cpp_tools
 import numpy as np
@@ -142,7 +141,7 @@ def serve(
 async def run_max(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """`prompts` sent at once, each streamed (`streams.max_completion`): per request its
     tokens, their arrival times and its wall time."""
-    async with httpx.AsyncClient(timeout=None) as client:
+    async with streams.client() as client:
         return list(await asyncio.gather(
             *(streams.max_completion(client, url, p, max_tokens) for p in prompts)
         ))

@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any
 
 import bench_start
-import httpx
 import llama_cpp_tools
 import numpy as np
 import psutil
@@ -232,7 +231,7 @@ async def stream_probed(
     def read_totals() -> None:
         totals.append(worker_probe.request_totals(probe))
 
-    async with httpx.AsyncClient(timeout=None) as client:
+    async with streams.client() as client:
         result = await streams.max_completion(
             client, url, PROMPT, new_tokens, on_first_token=read_totals if probe else None
         )

@@ -109,7 +109,7 @@ def server_run(url: str, prompts: list[list[int]], n: int) -> list[dict]:
     token arrival times and wall time (as `bench_serve.run_max` gives them for MAX)."""
 
     async def run() -> list[dict]:
-        async with httpx.AsyncClient(timeout=None) as client:
+        async with streams.client() as client:
             return list(await asyncio.gather(
                 *(streams.llama_completion(client, url, p, n) for p in prompts)
             ))

@@ -19,8 +19,19 @@ import httpx
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.server import MODEL_NAME
 
-MAX_GREEDY = {"temperature": GREEDY["temperature"], **GREEDY["extra_body"]}
+MAX_GREEDY = {
+    **{key: value for key, value in GREEDY.items() if key != "extra_body"},
+    **GREEDY["extra_body"],
+}
 """`GREEDY` as a request body rather than OpenAI-client arguments."""
+TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+"""As long as the OpenAI client waits for a response; a server that stops answering
+fails the benchmark instead of hanging it."""
+
+
+def client() -> httpx.AsyncClient:
+    """The client every stream of a benchmark is read with."""
+    return httpx.AsyncClient(timeout=TIMEOUT)
 
 
 async def stream(
@@ -30,16 +41,29 @@ async def stream(
 ) -> dict:
     """POSTs `body` to `url` and reads its event stream: the tokens (`token_ids` of each
     event), each token's arrival time and the wall time. `on_first_token` is called as the
-    first token arrives."""
+    first token arrives.
+
+    Raises:
+        httpx.HTTPStatusError: the server refused the request (its answer included).
+        RuntimeError: the stream carried an error event.
+    """
     start = time.perf_counter()
     arrivals: list[float] = []
     out: list[int] = []
     async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
+        if response.is_error:
+            await response.aread()
+            raise httpx.HTTPStatusError(
+                f"{response.status_code} from {url}: {response.text}",
+                request=response.request, response=response,
+            )
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            new = token_ids(json.loads(line[6:]))
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url} streamed an error: {event['error']}")
+            new = token_ids(event)
             if not new:
                 continue
             out += new
@@ -47,6 +71,14 @@ async def stream(
             if on_first_token is not None and len(out) == len(new):
                 on_first_token()
     return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
+
+
+def _all_of(result: dict, max_tokens: int, url: str) -> dict:
+    """`result`, checked to hold the `max_tokens` tokens a request that ignores the end
+    of text must give: a stream cut short would otherwise read as a fast one."""
+    if len(result["tokens"]) != max_tokens:
+        raise RuntimeError(f"{url} streamed {len(result['tokens'])} of {max_tokens} tokens")
+    return result
 
 
 def _completion_token_ids(event: dict[str, Any]) -> list[int]:
@@ -61,8 +93,10 @@ async def max_completion(
     """One streamed greedy completion from `max serve` (OpenAI's completions route)."""
     body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "stream": True,
             **MAX_GREEDY}
-    return await stream(client, f"{base_url}/v1/completions", body, _completion_token_ids,
-                        on_first_token)
+    url = f"{base_url}/v1/completions"
+    return _all_of(
+        await stream(client, url, body, _completion_token_ids, on_first_token), max_tokens, url
+    )
 
 
 async def llama_completion(
@@ -72,5 +106,7 @@ async def llama_completion(
     route, which streams token ids."""
     body = {"prompt": tokens, "n_predict": max_tokens, "stream": True, "top_k": 1,
             "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
-    return await stream(client, f"{base_url}/completion", body,
-                        lambda event: event.get("tokens") or [])
+    url = f"{base_url}/completion"
+    return _all_of(
+        await stream(client, url, body, lambda event: event.get("tokens") or []), max_tokens, url
+    )
