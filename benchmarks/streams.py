@@ -40,8 +40,8 @@ async def stream(
     on_first_token: Callable[[], object] | None = None,
 ) -> dict:
     """POSTs `body` to `url` and reads its event stream: the tokens (`token_ids` of each
-    event), each token's arrival time and the wall time. `on_first_token` is called as the
-    first token arrives.
+    event), each token's arrival time, the wall time and the last event. `on_first_token`
+    is called as the first token arrives.
 
     Raises:
         httpx.HTTPStatusError: the server refused the request (its answer included).
@@ -50,6 +50,7 @@ async def stream(
     start = time.perf_counter()
     arrivals: list[float] = []
     out: list[int] = []
+    event: dict[str, Any] = {}
     async with client.stream("POST", url, json=body) as response:
         if response.is_error:
             await response.aread()
@@ -70,14 +71,15 @@ async def stream(
             arrivals += [time.perf_counter() - start] * len(new)
             if on_first_token is not None and len(out) == len(new):
                 on_first_token()
-    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start}
+    return {"tokens": out, "arrivals": arrivals, "wall": time.perf_counter() - start,
+            "last": event}
 
 
-def _all_of(result: dict, max_tokens: int, url: str) -> dict:
-    """`result`, checked to hold the `max_tokens` tokens a request that ignores the end
-    of text must give: a stream cut short would otherwise read as a fast one."""
-    if len(result["tokens"]) != max_tokens:
-        raise RuntimeError(f"{url} streamed {len(result['tokens'])} of {max_tokens} tokens")
+def _all_of(result: dict, generated: int, max_tokens: int, url: str) -> dict:
+    """`result`, checked to have `generated` the `max_tokens` tokens a request that
+    ignores the end of text must: a stream cut short would otherwise read as a fast one."""
+    if generated != max_tokens:
+        raise RuntimeError(f"{url} generated {generated} of {max_tokens} tokens")
     return result
 
 
@@ -94,19 +96,19 @@ async def max_completion(
     body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "stream": True,
             **MAX_GREEDY}
     url = f"{base_url}/v1/completions"
-    return _all_of(
-        await stream(client, url, body, _completion_token_ids, on_first_token), max_tokens, url
-    )
+    result = await stream(client, url, body, _completion_token_ids, on_first_token)
+    return _all_of(result, len(result["tokens"]), max_tokens, url)
 
 
 async def llama_completion(
     client: httpx.AsyncClient, base_url: str, tokens: list[int], max_tokens: int,
 ) -> dict:
     """One streamed greedy completion of `max_tokens` tokens from `llama-server`'s own
-    route, which streams token ids."""
+    route, which streams token ids. It streams a token's id with its text, so one whose
+    text is an unfinished UTF-8 sequence at the end is never streamed; the count of
+    tokens generated is its last event's `tokens_predicted`."""
     body = {"prompt": tokens, "n_predict": max_tokens, "stream": True, "top_k": 1,
             "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
     url = f"{base_url}/completion"
-    return _all_of(
-        await stream(client, url, body, lambda event: event.get("tokens") or []), max_tokens, url
-    )
+    result = await stream(client, url, body, lambda event: event.get("tokens") or [])
+    return _all_of(result, result["last"].get("tokens_predicted", -1), max_tokens, url)
