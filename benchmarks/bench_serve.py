@@ -141,10 +141,7 @@ def serve(
 async def run_max(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """`prompts` sent at once, each streamed (`streams.max_completion`): per request its
     tokens, their arrival times and its wall time."""
-    async with streams.client() as client:
-        return list(await asyncio.gather(
-            *(streams.max_completion(client, url, p, max_tokens) for p in prompts)
-        ))
+    return await streams.gather(streams.max_completion, url, prompts, max_tokens)
 
 
 def warm_up(url: str) -> None:

@@ -107,11 +107,4 @@ def server(model: Path, threads: int, *, parallel: int, ctx_per_slot: int) -> It
 def server_run(url: str, prompts: list[list[int]], n: int) -> list[dict]:
     """`prompts` sent at once to `llama-server`, each streamed; per request its tokens,
     token arrival times and wall time (as `bench_serve.run_max` gives them for MAX)."""
-
-    async def run() -> list[dict]:
-        async with streams.client() as client:
-            return list(await asyncio.gather(
-                *(streams.llama_completion(client, url, p, n) for p in prompts)
-            ))
-
-    return asyncio.run(run())
+    return asyncio.run(streams.gather(streams.llama_completion, url, prompts, n))

@@ -9,9 +9,10 @@ for its client than another.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -112,3 +113,16 @@ async def llama_completion(
     url = f"{base_url}/completion"
     result = await stream(client, url, body, lambda event: event.get("tokens") or [])
     return _all_of(result, result["last"].get("tokens_predicted", -1), max_tokens, url)
+
+
+async def gather(
+    completion: Callable[[httpx.AsyncClient, str, list[int], int], Awaitable[dict]],
+    base_url: str, prompts: list[list[int]], max_tokens: int,
+) -> list[dict]:
+    """`prompts` sent at once through `completion` (`max_completion`, `llama_completion`),
+    each streamed on one client: per request its tokens, their arrival times and its
+    wall time."""
+    async with client() as shared:
+        return list(await asyncio.gather(
+            *(completion(shared, base_url, p, max_tokens) for p in prompts)
+        ))
