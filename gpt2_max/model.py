@@ -73,12 +73,12 @@ class GPT2PipelineModel(
         (`shims.runtime_threads`)."""
         announce_compile(self.pipeline_config.model.quantization_encoding)
         on_host = all(device.is_host for device in self.devices)
-        threads = thread_ids()
+        threads = thread_ids() if on_host else None
         compiled = super().load_model()
         release(self.weights)
         if on_host:
             yield_to_main_thread()
-            self._threads_before_load = threads
+        self._threads_before_load = threads
         return compiled
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:

@@ -123,7 +123,7 @@ def engine_pollers(
     first graph execute."""
     candidates = [
         tid for tid in (thread_ids(pid) if among is None else among)
-        if not (_name(pid, tid) or WORKER_NAME_PREFIX).startswith(WORKER_NAME_PREFIX)
+        if not (_name(pid, tid) or "").startswith(WORKER_NAME_PREFIX)
     ]
     if not candidates:
         return []

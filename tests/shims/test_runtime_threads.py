@@ -58,9 +58,10 @@ GENERATOR_POLLER_SCRIPT = """
 import json, os, sys, time
 from gpt2_max.generate import Generator
 from gpt2_max.shims.runtime_threads import engine_pollers, thread_ids
+settle_s, sample_s = float(sys.argv[2]), float(sys.argv[3])
 with Generator(sys.argv[1], max_batch_size=1) as generator:
     generator.generate([464, 2068], 2)
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
     idle = []
     for tid in thread_ids():
         try:
@@ -68,7 +69,7 @@ with Generator(sys.argv[1], max_batch_size=1) as generator:
                 idle.append(tid)
         except ProcessLookupError:
             pass
-    print(json.dumps({"pollers": engine_pollers(sample_s=SAMPLE_S), "idle": idle}))
+    print(json.dumps({"pollers": engine_pollers(sample_s=sample_s), "idle": idle}))
 """
 SETTLE_S = 0.3
 """How long after a graph the runtime's workers are given to stop spinning, so that a
@@ -82,11 +83,9 @@ def test_a_generator_that_ran_has_max_engine_poller_alone_in_the_idle_class(
     # A process of its own: in this one an earlier test's graph may have started the
     # poller before any model loaded, and the shim leaves alone a thread it did not see
     # start.
-    script = GENERATOR_POLLER_SCRIPT.replace("SETTLE_S", repr(SETTLE_S)).replace(
-        "SAMPLE_S", repr(SAMPLE_S)
-    )
     result = subprocess.run(
-        [sys.executable, "-c", script, str(gpt2_max_checkpoint)],
+        [sys.executable, "-c", GENERATOR_POLLER_SCRIPT, str(gpt2_max_checkpoint),
+         str(SETTLE_S), str(SAMPLE_S)],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr[-4000:]
