@@ -3,9 +3,9 @@ blocks as the file stores them; K-quant decode rows in each arithmetic `--dots` 
 `kernels.DOTS`) against MAX's `qmatmul` (its `vroom` kernels, blocks repacked at load,
 8-bit activations), per GGUF block type.
 
-    PYTHONPATH=. heavy python benchmarks/bench_packed.py
-    PYTHONPATH=. heavy python benchmarks/bench_packed.py --types q4_k --layers 36
-    PYTHONPATH=. heavy python benchmarks/bench_packed.py --rows 64 --dots auto
+    PYTHONPATH=. python benchmarks/bench_packed.py     # nothing else running
+    PYTHONPATH=. python benchmarks/bench_packed.py --types q4_k --layers 36
+    PYTHONPATH=. python benchmarks/bench_packed.py --rows 64 --dots auto
 
 Each graph chains `--layers` pairs of GPT-2's MLP projections (768 -> 3072 -> 768)
 on random weights quantized to the type, `--rows` input rows. At the default 12 layers the
@@ -22,7 +22,7 @@ import statistics
 import time
 
 import numpy as np
-from bench_serve import cpu_model
+from bench_start import cpu_model
 from gguf import GGMLQuantizationType
 from max.driver import CPU, Buffer
 from max.dtype import DType

@@ -69,7 +69,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -81,6 +80,7 @@ import llama_cpp_tools
 import numpy as np
 import streams
 import torch
+from bench_start import cpu_model
 from transformers import GPT2LMHeadModel
 
 from gpt2_max.testing.reference import (
@@ -407,14 +407,6 @@ def median_pair(runs: list[dict]) -> dict:
     count, the lower middle one), so its two figures divide to the ratio shown."""
     pairs = sorted((r[PAIRED_SCENARIO] for r in runs), key=lambda m: m["max_over_paired_tg128"])
     return pairs[(len(pairs) - 1) // 2]
-
-
-def cpu_model() -> str:
-    """`lscpu`'s model name, named beside every table."""
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def print_report(result: dict) -> None:

@@ -32,7 +32,7 @@ Subjects (random weights, written once into the user's cache folder):
           GPT-2 tokenizer; no plugin code runs, so the difference to it is the
           plugin's own share.
 
-Run it alone on the machine (`heavy`): the phases are wall times. The table names
+Run it with nothing else running on the machine: the phases are wall times. The table names
 the CPU; JSON and the server logs go to `benchmarks/results/`.
 """
 
@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 
 from gpt2_max.testing.reference import write_tiny_checkpoint
-from gpt2_max.testing.server import MODEL_NAME, max_serve
+from gpt2_max.testing.server import MODEL_NAME, child_env, max_serve
 from gpt2_max.tokenizer import copy_tokenizer
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 
@@ -78,7 +78,8 @@ STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")
 def cpu_model() -> str:
     """lscpu's model name, with family and model (a cloud CPU may be named "AMD EPYC" only)."""
     fields = {}
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, env=child_env())
+    for line in lscpu.stdout.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     name = fields.get("Model name", "unknown CPU")

@@ -1,7 +1,7 @@
 """Where one decode step's time goes at batch 1, in-process (`gpt2_max.Generator`).
 
-    PYTHONPATH=. heavy python benchmarks/bench_step.py                  # f32, q4_k_m
-    PYTHONPATH=. heavy python benchmarks/bench_step.py --types f16 --new-tokens 64
+    PYTHONPATH=. python benchmarks/bench_step.py       # f32, q4_k_m; nothing else running
+    PYTHONPATH=. python benchmarks/bench_step.py --types f16 --new-tokens 64
 
 Each type is the GGUF of the random-weight checkpoint `bench_serve.py` caches
 (same files as its llama.cpp rows). One request, 16-token prompt, greedy, new
@@ -31,7 +31,7 @@ gpt2_max on a GPT-2 of the same shape are served the same way: no code of this
 package runs the Llama's steps, so its table is what MAX's serving loop costs a
 step on its own, the smallest MAX-only reproduction of the fixed cost.
 
-    PYTHONPATH=. heavy python benchmarks/bench_step.py --types '' --floor
+    PYTHONPATH=. python benchmarks/bench_step.py --types '' --floor
 
 MAX's sampler graph is also timed alone (`sampler alone`: MAX's `token_sampler`
 for one row of the vocabulary, nothing of this package in it), the smallest
@@ -68,7 +68,8 @@ import numpy as np
 import psutil
 import streams
 import worker_probe
-from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, cpu_model, gguf_file, serve
+from bench_serve import CHECKPOINTS, SERVE_ARGS, THREADS, gguf_file, serve
+from bench_start import cpu_model
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
@@ -81,6 +82,7 @@ from gpt2_max import kernels
 from gpt2_max.generate import Generator
 from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
 from gpt2_max.shims.internals import gguf_reader
+from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.tools.gguf_config import huggingface_config
 from gpt2_max.weights.gguf import convert_gguf_state_dict, metadata
@@ -394,7 +396,9 @@ def measure(part: str, path: Path, args: argparse.Namespace) -> dict[str, float]
     command = [sys.executable, __file__, "--part", part, "--path", str(path),
                "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat),
                *(f"--serve-env={item}" for item in args.serve_env)]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        command, check=True, capture_output=True, text=True, env=child_env()
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

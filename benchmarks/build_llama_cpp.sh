@@ -4,7 +4,7 @@
 # ctypes peer (llama_cpp_peer.py) runs, so the two peers can be checked against
 # each other. A benchmark-only extra, never part of the test install.
 #
-#     heavy benchmarks/build_llama_cpp.sh        # both cores for a few minutes
+#     benchmarks/build_llama_cpp.sh        # both cores for a few minutes
 #
 # Built with -DGGML_NATIVE=ON for the CPU it runs on, into $LLAMA_CPP_HOME
 # (default ~/.cache/gpt2-max/llama.cpp-<version>), outside the repository; prints

@@ -23,12 +23,16 @@ from pathlib import Path
 import httpx
 import streams
 
+from gpt2_max.testing.server import child_env
+
 BUILD_SCRIPT = Path(__file__).with_name("build_llama_cpp.sh")
 
 
 def binaries() -> Path:
     """The folder holding llama.cpp's tools, built first if they are not."""
-    out = subprocess.run([str(BUILD_SCRIPT)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [str(BUILD_SCRIPT)], check=True, capture_output=True, text=True, env=child_env()
+    )
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -41,7 +45,7 @@ def llama_bench(
         [str(binaries() / "llama-bench"), "-m", str(model), "-t", str(threads),
          "-p", str(prompt), "-n", str(generate), "-r", str(repeat),
          "-fa", "1" if flash_attn else "0", "-o", "json"],
-        check=True, capture_output=True, text=True,
+        check=True, capture_output=True, text=True, env=child_env(),
     )
     rows = {}
     for test in json.loads(out.stdout):
@@ -62,7 +66,7 @@ def batched_bench(
          "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
          "-ntg", str(generate), "-npl", str(sequences), "-fa", "1" if flash_attn else "0",
          "--output-format", "jsonl"],
-        check=True, capture_output=True, text=True,
+        check=True, capture_output=True, text=True, env=child_env(),
     )
     (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {"tg": float(row["speed_tg"]), "total": float(row["speed"])}
@@ -81,7 +85,7 @@ def server(model: Path, threads: int, *, parallel: int, ctx_per_slot: int) -> It
              "-tb", str(threads), "--parallel", str(parallel),
              "-c", str(parallel * ctx_per_slot), "-fa", "off", "--host", "127.0.0.1",
              "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(),
         )
         url = f"http://127.0.0.1:{port}"
         try:

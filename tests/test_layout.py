@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import gpt2_max
+from gpt2_max.testing.server import child_env
 
 PACKAGE = Path(gpt2_max.__file__).parent
 
@@ -88,7 +89,7 @@ def test_serving_loads_no_fast_path_generator_or_tool_until_a_graph_is_built() -
     loaded = subprocess.run(
         [sys.executable, "-c",
          "import sys, gpt2_max.arch; print(' '.join(sorted(sys.modules)))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=child_env(),
     ).stdout.split()
     for absent in ("gpt2_max.layers.fast", "gpt2_max.kernels", "gpt2_max.generate",
                    "gpt2_max.tools", "gpt2_max.testing", "llguidance"):

@@ -23,7 +23,7 @@ def _checkout_files() -> list[str]:
     """Tracked files and untracked ones git does not ignore, as they are on disk."""
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT, capture_output=True, text=True, check=True, env=child_env(),
     ).stdout.split("\0")
     return sorted(name for name in set(listed) if name and (ROOT / name).is_file())
 

@@ -24,6 +24,7 @@ from gpt2_max.shims.runtime_threads import (
     worker_threads,
     yield_to_main_thread,
 )
+from gpt2_max.testing.server import child_env
 
 
 def test_the_nice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,7 +87,7 @@ def test_a_generator_that_ran_has_max_engine_poller_alone_in_the_idle_class(
     result = subprocess.run(
         [sys.executable, "-c", GENERATOR_POLLER_SCRIPT, str(gpt2_max_checkpoint),
          str(SETTLE_S), str(SAMPLE_S)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env=child_env(),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ def test_stop_process_group_ends_children_that_outlive_the_leader(monkeypatch):
     # The leader exits at once; its children ignore SIGTERM, as a busy worker may.
     leader = subprocess.Popen(
         ["sh", "-c", "trap '' TERM; sleep 300 & sleep 300 & echo started"],
-        stdout=subprocess.PIPE, start_new_session=True,
+        stdout=subprocess.PIPE, start_new_session=True, env=server.child_env(),
     )
     with leader.stdout:
         assert leader.stdout.readline() == b"started\n"
@@ -52,7 +53,8 @@ def test_refusal_runs_from_a_venv_that_is_not_activated(gpt2_max_checkpoint, tmp
     shutil.copytree(gpt2_max_checkpoint, broken)
     (broken / "config.json").unlink()
     venv_bin = str(Path(sys.executable).parent)
-    env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
+    env = server.child_env()
+    env.pop("VIRTUAL_ENV", None)
     env["PATH"] = os.pathsep.join(
         entry for entry in env.get("PATH", "").split(os.pathsep) if entry != venv_bin
     )
@@ -70,7 +72,7 @@ def test_refusal_runs_from_a_venv_that_is_not_activated(gpt2_max_checkpoint, tmp
 def test_paused_stops_the_whole_tree_and_resumes_it(tmp_path):
     leader = subprocess.Popen(
         ["sh", "-c", "sleep 300 & sleep 300 & echo started; wait"],
-        stdout=subprocess.PIPE, start_new_session=True,
+        stdout=subprocess.PIPE, start_new_session=True, env=server.child_env(),
     )
     try:
         with leader.stdout:
@@ -85,3 +87,47 @@ def test_paused_stops_the_whole_tree_and_resumes_it(tmp_path):
         assert psutil.STATUS_STOPPED not in {p.status() for p in tree}
     finally:
         server.stop_process_group(leader)
+
+
+SPAWNERS = {"run", "Popen", "call", "check_call", "check_output"}
+"""The `subprocess` functions that start a process."""
+
+
+def spawns_without_child_env(path: Path) -> list[str]:
+    """Calls in `path` that start a process without the harness's environment: no
+    `env=`, or an `env=` that neither calls `child_env` nor names a variable that
+    was assigned from it."""
+    tree = ast.parse(path.read_text())
+    from_helper = {
+        target.id
+        for node in ast.walk(tree) if isinstance(node, ast.Assign)
+        if "child_env" in ast.unparse(node.value)
+        for target in node.targets if isinstance(target, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in SPAWNERS
+                and ast.unparse(node.func.value) == "subprocess"):
+            continue
+        env = next((k.value for k in node.keywords if k.arg == "env"), None)
+        ok = env is not None and (
+            "child_env" in ast.unparse(env)
+            or (isinstance(env, ast.Name) and env.id in from_helper)
+        )
+        if not ok:
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_every_process_the_tests_benchmarks_and_harness_start_gets_child_env():
+    """After MAX is imported, a child started without an explicit environment inherits
+    the interpreter MAX recorded and may start outside the venv (`child_env`)."""
+    root = Path(__file__).parents[2]
+    scanned = [
+        path
+        for folder in ("tests", "benchmarks", "gpt2_max")
+        for path in sorted((root / folder).rglob("*.py"))
+    ]
+    assert {"bench_step.py", "server.py", "test_layout.py"} <= {p.name for p in scanned}
+    assert [hit for path in scanned for hit in spawns_without_child_env(path)] == []
