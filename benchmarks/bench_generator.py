@@ -62,7 +62,7 @@ def main() -> None:
     new = args.new_tokens
     with tempfile.TemporaryDirectory() as folder:
         write_checkpoint(Path(folder), config)
-        with Generator(folder, max_batch_size=16) as gen:
+        with Generator(folder, device="cpu", max_batch_size=16) as gen:
             prompt = list(range(1000, 1300))
             prompts = [list(range(2000 + 100 * i, 2016 + 100 * i)) for i in range(8)]
             # Warm-up, llguidance's tokenizer (built on the first constrained request) included.

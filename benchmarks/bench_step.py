@@ -124,7 +124,7 @@ class TimedSampler:
 
 def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
     """Mean milliseconds per decode step of each part (see the module docstring)."""
-    with Generator(path.parent, max_batch_size=1, weight_path=[str(path)]) as gen:
+    with Generator(path.parent, device="cpu", max_batch_size=1, weight_path=[str(path)]) as gen:
         recorder = gen._pipeline
         pipeline = recorder._pipeline
         model = pipeline._pipeline_model

@@ -113,7 +113,7 @@ def median_run(runs: list[dict]) -> dict:
 
 def generator_steps(checkpoint: Path, prompts: dict[str, list[int]]) -> dict[str, dict]:
     """The in-process default engine's tokens and steps for each schema's chat prompt."""
-    with Generator(checkpoint, max_batch_size=8) as generator:
+    with Generator(checkpoint, device="cpu", max_batch_size=8) as generator:
         out = {}
         for name, prompt in prompts.items():
             result = generator.generate(prompt, MAX_TOKENS, json_schema=SCHEMAS[name])

@@ -53,6 +53,17 @@ def activation(name: str, x: Tensor) -> Tensor:
     return ACTIVATION_FUNCTIONS[name](x)
 
 
+def layer_norm(config: GPT2ArchConfig) -> LayerNorm:
+    """A LayerNorm over the hidden size whose mean and variance are reduced in
+    float32 whatever the graph's dtype, as MAX's own architectures normalize in
+    bfloat16 (in a float32 graph that is the plain LayerNorm)."""
+    return LayerNorm(
+        config.hidden_size,
+        eps=config.layer_norm_epsilon,
+        keep_dtype=config.dtype == DType.float32,
+    )
+
+
 class GPT2Attention(Module[..., Tensor]):
     """Causal multi-head self-attention over the paged KV cache."""
 
@@ -98,10 +109,9 @@ class GPT2Block(Module[..., Tensor]):
     """Pre-LayerNorm transformer block with residual connections."""
 
     def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
-        eps = config.layer_norm_epsilon
-        self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
+        self.ln_1 = layer_norm(config)
         self.attn = GPT2Attention(config, layers, layer_idx)
-        self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
+        self.ln_2 = layer_norm(config)
         self.mlp = GPT2MLP(config, layers, layer_idx)
 
     def forward(
@@ -120,7 +130,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
         self.wte = layers.embedding("wte", config.vocab_size, config.hidden_size)
         self.wpe = layers.embedding("wpe", config.max_positions, config.hidden_size)
         self.h = ModuleList([GPT2Block(config, layers, i) for i in range(config.num_layers)])
-        self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_f = layer_norm(config)
         # A tied head multiplies `wte` in place (`[vocab, hidden]`, no copy);
         # otherwise the head has its own weight.
         self.lm_head = (
@@ -130,12 +140,16 @@ class GPT2(Module[..., ModuleV3Outputs]):
         )
 
     def logits(self, h: Tensor) -> Tensor:
-        """Final LayerNorm and LM head for the rows of `h`; ids the tokenizer lacks get -inf."""
+        """Final LayerNorm and LM head for the rows of `h`, in float32 (what MAX's
+        sampler and log-probabilities read, whatever the graph's dtype); ids the
+        tokenizer lacks get -inf."""
         h = self.ln_f(h)
         if self.lm_head is None:
             logits = self.layers.tied_head(h, self.wte.weight)
         else:
             logits = self.lm_head(h)
+        if logits.dtype != DType.float32:
+            logits = F.cast(logits, DType.float32)
         if self.config.usable_vocab_size < self.config.vocab_size:
             ids = F.arange(0, self.config.vocab_size, dtype=DType.int64, device=logits.device)
             logits = F.where(ids < self.config.usable_vocab_size, logits, float("-inf"))

@@ -28,7 +28,7 @@ from max.pipelines.lib import ModelInputs, ModelOutputs, ModuleV3PipelineModelWi
 
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
-from .layers import layers_for
+from .layers import layers_for, uses_fast_layers
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .shims.log_probabilities import LazyLogProbabilities
@@ -112,10 +112,13 @@ class GPT2PipelineModel(
             raise ValueError(
                 f"gpt2_max returns last-token or all logits, not {self.return_logits}."
             )
+        # The fast layers hold each weight as the adapter loaded it; the plain ones
+        # cast every weight to the graph's dtype (`Layers.prepare`).
+        fast = uses_fast_layers(self.device_refs[0].is_cpu())
         return dataclasses.replace(
             self.arch_config_as(GPT2ArchConfig),
             return_logits=self.return_logits,
-            weights=WeightPlan.of(state_dict),
+            weights=WeightPlan.of(state_dict) if fast else WeightPlan(),
         )
 
     def _prepare_state_dict(

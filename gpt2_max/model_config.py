@@ -127,11 +127,17 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
-    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {"float32", *PACKED_ENCODINGS}
-    """float32 from safetensors or F32/F16/BF16 GGUFs (F16 matrices stay float16 in
-    memory, see `weights.gguf`); MAX's CPU GGUF block encodings.
-    A GGUF's tensors keep their own types whatever the encoding (mixed files are
-    the norm); the encoding picks the file and the KV-cache dtype."""
+    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {
+        "float32", "bfloat16", *PACKED_ENCODINGS
+    }
+    """float32 from safetensors or F32/F16/BF16 GGUFs (on the CPU, F16 matrices stay
+    float16 in memory, see `weights.gguf`); bfloat16, which MAX runs on GPUs only
+    and picks there by default (it casts a float32 default to bfloat16 on any
+    device that is not the CPU); MAX's CPU GGUF block encodings, which MAX moves
+    to the CPU when GPUs are asked for.
+    On the CPU a GGUF's tensors keep their own types whatever the encoding (mixed
+    files are the norm); the encoding picks the file, the graph's dtype and the
+    KV cache's."""
 
     vocab_size: int
     usable_vocab_size: int
@@ -236,8 +242,8 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
             tie_word_embeddings=ties_word_embeddings(hf),
             max_seq_len=max_seq_len,
-            # Activations and unpacked weights are float32 under every CPU
-            # encoding (a block encoding's own dtype, uint8, is its packing).
+            # Activations and unpacked weights are float32 under every block
+            # encoding (its own dtype, uint8, is its packing).
             dtype=(
                 DType.float32
                 if encoding in PACKED_ENCODINGS

@@ -7,8 +7,13 @@ import re
 
 import pytest
 from max.dtype import DType
+from max.graph.weights import WeightsFormat
+from max.pipelines.lib import MAXModelConfig
+from max.pipelines.lib.config.model_config import _resolve_weights_and_encoding
+from max.pipelines.lib.device_specs import DeviceSpec
 from transformers import GPT2Config
 
+from gpt2_max.gpt2 import layer_norm
 from gpt2_max.model_config import (
     ACTIVATIONS,
     GPT2ArchConfig,
@@ -68,3 +73,43 @@ def test_attention_scale_follows_transformers_flags():
     both = max_config(scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True)
     assert both.attention_scale(0) == 1.0
     assert both.attention_scale(1) == 0.5
+
+
+def gpu_model_config(checkpoint, **settings) -> MAXModelConfig:
+    return MAXModelConfig(
+        model_path=str(checkpoint), device_specs=[DeviceSpec.accelerator(0)], **settings
+    )
+
+
+def resolve(model_config: MAXModelConfig) -> tuple:
+    """MAX's resolution of encoding, cast, weights and devices for this architecture."""
+    return _resolve_weights_and_encoding(
+        model_config,
+        default_encoding=GPT2ArchConfig.DEFAULT_ENCODING,
+        supported_encodings=GPT2ArchConfig.SUPPORTED_ENCODINGS,
+        default_weights_format=WeightsFormat.safetensors,
+    )
+
+
+def test_a_gpu_resolves_to_bfloat16_which_the_architecture_takes(gpt2_max_checkpoint):
+    """What failed `max serve` on a GPU: MAX casts the float32 default to bfloat16
+    there and refused an architecture that did not list it."""
+    encoding, cast, _, devices = resolve(gpu_model_config(gpt2_max_checkpoint))
+    assert (encoding, cast) == ("bfloat16", ("float32", "bfloat16"))
+    assert [d.device_type for d in devices] == ["gpu"]
+    asked = gpu_model_config(gpt2_max_checkpoint, quantization_encoding="float32")
+    assert resolve(asked)[0] == "float32"
+
+
+def test_bfloat16_on_the_cpu_is_refused_by_max_naming_the_device(gpt2_max_checkpoint):
+    model_config = MAXModelConfig(
+        model_path=str(gpt2_max_checkpoint), device_specs=[DeviceSpec.cpu()],
+        quantization_encoding="bfloat16",
+    )
+    with pytest.raises(ValueError, match="'bfloat16' is not supported on this device"):
+        resolve(model_config)
+
+
+def test_layer_norms_reduce_in_float32_in_a_bfloat16_graph():
+    assert not layer_norm(max_config(dtype=DType.bfloat16)).keep_dtype
+    assert layer_norm(max_config()).keep_dtype  # float32: the plain LayerNorm

@@ -47,7 +47,10 @@ class Generator:
 
     Args:
         model_path: A checkpoint folder (`config.json`, safetensors, tokenizer).
-        device: `"cpu"` or a GPU such as `"gpu:0"`.
+        device: `"cpu"` or a GPU such as `"gpu:0"`; by default the device
+            `max serve` picks, the first GPU where MAX sees one, else the CPU
+            (on a GPU the graph runs in bfloat16 unless `quantization_encoding`
+            says `"float32"`).
         max_batch_size: The most rows one step runs; larger batches and `n` are
             split into groups of this size.
         **config_overrides: Further `AutoModel` settings, such as
@@ -62,13 +65,13 @@ class Generator:
         self,
         model_path: str | Path,
         *,
-        device: str = "cpu",
+        device: str | None = None,
         max_batch_size: int = 8,
         **config_overrides: Any,
     ) -> None:
         self._model = AutoModel(
             str(model_path),
-            devices=device,
+            **({} if device is None else {"devices": device}),
             max_batch_size=max_batch_size,
             custom_architectures=[__name__.partition(".")[0]],
             **{"enable_prefix_caching": True, "enable_structured_output": True,
@@ -175,6 +178,11 @@ class Generator:
         if best_of:
             completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
         return completions[:n]
+
+    @property
+    def pipeline_config(self) -> Any:
+        """MAX's `PipelineConfig` the model was built with: its device and encoding."""
+        return self._model.pipeline_config
 
     @property
     def model_steps(self) -> int:

@@ -10,12 +10,17 @@ it: a Mojo kernel that streams each weight once per decode step
 GGUF blocks multiplied packed by MAX's quantized CPU kernels (`quantized.py`).
 On the CPU, attention over the paged cache is the package's own Mojo op
 (`kernels/mojo/attention.mojo`), cheaper than MAX's at a decode step's one query
-per sequence. `layers_for` takes them on the CPU, and wherever the weights are held in a
-form plain layers cannot hold (packed or float16).
+per sequence. `layers_for` takes them on the CPU unless `GPT2_MAX_LAYERS=plain` is set.
+
+On a GPU the plain layers run, in the graph's dtype (bfloat16 by default there):
+the package's kernels and the weights it keeps packed or in float16 are CPU-only,
+so `Layers.prepare` casts every float tensor to the graph's dtype and refuses
+packed blocks, which no plain layer multiplies.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from max.experimental import nn
@@ -25,10 +30,14 @@ from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
 from ..model_config import GPT2ArchConfig
+from ..weights.schema import CheckpointError
+
+LAYERS_ENV = f"{__name__.partition('.')[0].upper()}_LAYERS"
+"""Set to `plain` to serve the plain layers on the CPU too (the copier's starting point)."""
 
 
 class Layers:
-    """MAX's plain layers; every parameter float32."""
+    """MAX's plain layers; every parameter in the graph's dtype (`config.dtype`)."""
 
     def __init__(self, config: GPT2ArchConfig) -> None:
         self.config = config
@@ -38,7 +47,7 @@ class Layers:
         return nn.Linear(in_dim, out_dim, bias=bias)
 
     def embedding(self, name: str, rows: int, dim: int) -> nn.Module:
-        """The table `{name}.weight`, returning float32 rows."""
+        """The table `{name}.weight`, returning rows in the graph's dtype."""
         return nn.Embedding(rows, dim=dim)
 
     def tied_head(self, h: Tensor, table: Tensor) -> Tensor:
@@ -63,13 +72,39 @@ class Layers:
         )
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The weights as these layers read them (plain layers read them as loaded)."""
-        return state_dict
+        """The weights in the graph's dtype, each cast from its own.
+
+        MAX compiles a ModuleV3 graph only against weights of the dtype each
+        parameter was built in, and records no cast for a local checkpoint whose
+        encoding was given, so the cast follows each tensor's dtype, not MAX's
+        record: a float32, float16 or bfloat16 tensor becomes `config.dtype`.
+
+        Raises:
+            CheckpointError: a tensor is packed GGUF blocks, which only the CPU's
+                fast layers multiply.
+        """
+        dtype = self.config.dtype
+        for name, weight in state_dict.items():
+            if weight.quantization_encoding is not None:
+                raise CheckpointError(
+                    f"tensor {name!r} is packed as {weight.quantization_encoding.name}; "
+                    f"the plain layers multiply float tensors only. Serve this file on the "
+                    f"CPU (`--devices cpu`) without {LAYERS_ENV}=plain, or a float file."
+                )
+        return {
+            name: weight if weight.dtype == dtype else weight.astype(dtype)
+            for name, weight in state_dict.items()
+        }
+
+
+def uses_fast_layers(on_cpu: bool) -> bool:
+    """Whether the package's fast layers serve: on the CPU, unless `LAYERS_ENV` says plain."""
+    return on_cpu and os.environ.get(LAYERS_ENV, "").strip().lower() != "plain"
 
 
 def layers_for(config: GPT2ArchConfig) -> Layers:
-    """The fast layers on the CPU or for weights held packed or in float16; else plain."""
-    if config.devices[0].is_cpu() or not config.weights.is_plain:
+    """The fast layers where `uses_fast_layers`, else MAX's plain ones."""
+    if uses_fast_layers(config.devices[0].is_cpu()):
         from .fast import FastLayers
 
         return FastLayers(config)

@@ -217,3 +217,19 @@ def hf_on_gguf_weights(model: GPT2LMHeadModel, path: Path) -> GPT2LMHeadModel:
         params["lm_head.weight"] = params["transformer.wte.weight"]
     reference.load_state_dict(params)
     return reference
+
+
+def hf_logprobs(
+    model: GPT2LMHeadModel, tokens: list[int], dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> np.ndarray:
+    """transformers' log-probabilities at every position of `tokens` in one forward pass
+    (row `i` is the distribution of token `i + 1`), over `sampleable(model)` ids, with
+    the model cast to `dtype` on `device` and TF32 off, so float32 is float32.
+    `[len(tokens), sampleable(model)]`, float64."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cast = copy.deepcopy(model).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        logits = cast(torch.tensor([tokens], device=device)).logits[0, :, : sampleable(model)]
+    return torch.log_softmax(logits.double(), dim=-1).cpu().numpy()

@@ -63,13 +63,14 @@ def child_env(**overrides: str) -> dict[str, str]:
     return {**env, **overrides}
 
 
-def serve_command(model: Path, *args: str, devices: str = "cpu") -> list[str]:
-    """The `max serve` command line that loads `model` through the gpt2_max plugin."""
+def serve_command(model: Path, *args: str, devices: str | None = "cpu") -> list[str]:
+    """The `max serve` command line that loads `model` through the gpt2_max plugin;
+    `devices=None` leaves the device to MAX (the first GPU it sees, else the CPU)."""
     return [
         str(Path(sys.executable).with_name("max")), "serve",
         "--custom-architectures", __name__.partition(".")[0],
         "--model", str(model),
-        "--devices", devices,
+        *(() if devices is None else ("--devices", devices)),
         *args,
     ]
 
@@ -217,7 +218,7 @@ def max_serve(
     model: Path,
     *args: str,
     log: Path,
-    devices: str = "cpu",
+    devices: str | None = "cpu",
     env: dict[str, str] | None = None,
 ) -> Iterator[Server]:
     """Starts `max serve` for `model` on a free port, yields it once it answers, stops it.

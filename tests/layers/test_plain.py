@@ -1,8 +1,9 @@
 """The core on its own: GPT-2 built from MAX's plain layers, no fast path, is exact.
 
-`layers.Layers` is what a copier of this package starts from; here it serves
-the default checkpoint on the CPU in place of `FastLayers`, and must match
-transformers as the fast layers do.
+`layers.Layers` is what a copier of this package starts from, and what runs on a
+GPU; here `GPT2_MAX_LAYERS=plain` serves the default checkpoint through it on the
+CPU, and it must match transformers as the fast layers do. Its weight cast (the
+GPU's bfloat16 among others) is checked against torch's, without a graph.
 """
 
 from __future__ import annotations
@@ -11,18 +12,24 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
+from max.dtype import DType
+from max.graph import DeviceRef, Shape
+from max.graph.quantization import QuantizationEncoding
+from max.graph.weights import WeightData
 from max.pipelines import AutoModel
 
-from gpt2_max import model as gpt2_model
-from gpt2_max.layers import Layers
+from gpt2_max.layers import LAYERS_ENV, Layers, layers_for
 from gpt2_max.testing.reference import hf_greedy, random_prompt
+from gpt2_max.weights.schema import CheckpointError
+from tests.test_model_config import max_config
 
 NEW_TOKENS = 8
 
 
 @pytest.fixture
 def plain_model(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setattr(gpt2_model, "layers_for", Layers)
+    monkeypatch.setenv(LAYERS_ENV, "plain")
     folder = shutil.copytree(checkpoints("default", "hub"), tmp_path / "checkpoint")
     model = AutoModel(
         str(folder), max_batch_size=2, devices="cpu", custom_architectures=["gpt2_max"]
@@ -40,3 +47,51 @@ def test_plain_layers_match_transformers(plain_model, hf_models):
         hf_tokens, hf_logits = hf_greedy(hf_models("default"), prompt, NEW_TOKENS)
         assert sequence[len(prompt):] == hf_tokens
         np.testing.assert_allclose(logits, hf_logits, atol=1e-4, rtol=0)
+
+
+def test_the_setting_picks_plain_layers_on_the_cpu(monkeypatch):
+    cpu = max_config(devices=[DeviceRef.CPU()])
+    assert type(layers_for(cpu)).__name__ == "FastLayers"
+    monkeypatch.setenv(LAYERS_ENV, "plain")
+    assert type(layers_for(cpu)) is Layers
+
+
+def test_a_gpu_always_gets_the_plain_layers():
+    assert type(layers_for(max_config(devices=[DeviceRef.GPU()]))) is Layers
+
+
+def as_torch(weight: WeightData) -> torch.Tensor:
+    return torch.from_dlpack(weight.data)
+
+
+@pytest.mark.parametrize("graph", [DType.bfloat16, DType.float32])
+def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
+    rng = np.random.default_rng(0)
+    source = torch.from_numpy(rng.standard_normal((8, 24)).astype(np.float32) * 7)
+    tensors = {
+        "f32": source,
+        "f16": source.to(torch.float16),
+        "bf16": source.to(torch.bfloat16),
+    }
+    state = {
+        name: (
+            WeightData.from_numpy(t.numpy(), name) if t.dtype != torch.bfloat16
+            else WeightData.from_numpy(t.float().numpy(), name).astype(DType.bfloat16)
+        )
+        for name, t in tensors.items()
+    }
+    prepared = Layers(max_config(dtype=graph)).prepare(state)
+    target = torch.bfloat16 if graph == DType.bfloat16 else torch.float32
+    for name, tensor in tensors.items():
+        assert prepared[name].dtype == graph
+        assert torch.equal(as_torch(prepared[name]), tensor.to(target)), name
+
+
+def test_prepare_refuses_packed_blocks_naming_the_tensor():
+    blocks = np.zeros((4, 144), dtype=np.uint8)
+    packed = WeightData(
+        blocks, "h.0.mlp.c_fc.weight", DType.uint8, Shape(blocks.shape),
+        quantization_encoding=QuantizationEncoding.Q4_K,
+    )
+    with pytest.raises(CheckpointError, match=r"'h\.0\.mlp\.c_fc\.weight' is packed as q4_k"):
+        Layers(max_config()).prepare({"h.0.mlp.c_fc.weight": packed})

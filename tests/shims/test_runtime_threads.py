@@ -60,7 +60,7 @@ import json, os, sys, time
 from gpt2_max.generate import Generator
 from gpt2_max.shims.runtime_threads import engine_pollers, thread_ids
 settle_s, sample_s = float(sys.argv[2]), float(sys.argv[3])
-with Generator(sys.argv[1], max_batch_size=1) as generator:
+with Generator(sys.argv[1], device="cpu", max_batch_size=1) as generator:
     generator.generate([464, 2068], 2)
     time.sleep(settle_s)
     idle = []

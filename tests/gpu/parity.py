@@ -1,0 +1,43 @@
+"""Comparisons of the GPU's answers with transformers in float32, shared by the tier."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpt2_max.testing.reference import hf_logprobs
+
+TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where transformers runs the reference (the same card, where torch sees it)."""
+
+BFLOAT16_MARGIN = 0.1
+"""Above this top-2 margin (transformers float32), bfloat16 must pick transformers' token."""
+
+
+def reference_rows(
+    reference, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32
+) -> np.ndarray:
+    """transformers' log-probabilities of the steps that chose `tokens` after `prompt`,
+    teacher-forced on those tokens: `[len(tokens), vocab]`."""
+    sequence = prompt + tokens
+    return hf_logprobs(reference, sequence, dtype, TORCH_DEVICE)[len(prompt) - 1 : -1]
+
+
+def top2_margins(logprobs: np.ndarray) -> np.ndarray:
+    top2 = np.sort(logprobs, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def clear_steps(reference, prompt: list[int], tokens: list[int], margin: float) -> tuple[int, int]:
+    """How many steps transformers called by more than `margin`, and at how many of
+    those `tokens` holds another token than transformers' choice."""
+    rows = reference_rows(reference, prompt, tokens)
+    clear = top2_margins(rows) > margin
+    differ = np.array(tokens) != rows.argmax(-1)
+    return int(clear.sum()), int((clear & differ).sum())
+
+
+def assert_clear_tokens_match(reference, prompt, tokens, margin: float = BFLOAT16_MARGIN) -> None:
+    clear, differing = clear_steps(reference, prompt, list(tokens), margin)
+    assert clear >= len(tokens) // 2, f"only {clear} of {len(tokens)} steps are clear choices"
+    assert differing == 0, f"{differing} of {clear} clear steps chose another token"
