@@ -21,18 +21,17 @@ import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from max import tree
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
-from max.pipelines.lib import ModelInputs, ModelOutputs, ModuleV3PipelineModelWithKVCache
+from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
 
 from .batch_processor import GPT2BatchProcessor
+from .cpu_runtime import CPURuntimePolicy
 from .gpt2 import GPT2
 from .layers import layers_for, uses_fast_layers
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .shims.log_probabilities import LazyLogProbabilities
-from .shims.runtime_threads import idle_engine_poller, thread_ids, yield_to_main_thread
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 
@@ -56,51 +55,25 @@ def announce_compile(encoding: object) -> None:
 
 
 class GPT2PipelineModel(
-    LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]
+    CPURuntimePolicy, LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]
 ):
-    """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching."""
+    """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching.
+
+    The three hooks below are what MAX asks of a ModuleV3 architecture; the bases
+    before MAX's add the package's speed policy (`cpu_runtime`) and log-probabilities
+    compiled on first use (`shims.log_probabilities`), each droppable on its own.
+    """
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
-    _threads_before_load: set[int] | None = None
-    """On the CPU, until the first execute has idled MAX's engine poller: the process's
-    threads before the model loaded, so the poller is told from threads that were there."""
 
     def load_model(self) -> Callable[..., Any]:
-        """Compiles the model, then lets the checkpoint's file go (`weights.mapping`);
-        on the CPU, MAX's worker threads then yield to the Python that drives each
-        step, and the engine's poller, which the first execute starts, to both
-        (`shims.runtime_threads`)."""
+        """Says a first compile takes minutes, compiles, then lets the checkpoint's
+        file go (`weights.mapping`)."""
         announce_compile(self.pipeline_config.model.quantization_encoding)
-        on_host = all(device.is_host for device in self.devices)
-        threads = thread_ids() if on_host else None
         compiled = super().load_model()
         release(self.weights)
-        if on_host:
-            yield_to_main_thread()
-        self._threads_before_load = threads
         return compiled
-
-    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
-        """Runs the compiled graph on the step's buffers through `execute_raw`.
-
-        MAX's pipeline hands over buffers already laid out as the graph was
-        compiled (`GPT2BatchProcessor` builds them), so the base class's route,
-        which checks and wraps every argument and result as a `Tensor` on each
-        call, costs a tenth of a millisecond a step for nothing; at batch 1 on
-        a 4-bit file that is a few percent of the step.
-        """
-        out = tree.unflatten(
-            self.model.out_tree, self.model.execute_raw(*model_inputs.buffers)
-        )
-        if self._threads_before_load is not None:
-            idle_engine_poller(self._threads_before_load)
-            self._threads_before_load = None
-        return ModelOutputs(
-            logits=out.next_token_logits if out.logits is None else out.logits,
-            next_token_logits=out.next_token_logits,
-            logit_offsets=out.logit_offsets,
-        )
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
         # The base class already built (and validated) the config from the

@@ -19,8 +19,8 @@ from gpt2_max.testing.server import child_env
 PACKAGE = Path(gpt2_max.__file__).parent
 
 FLOORS: list[set[str]] = [
-    {"stop", "inputs", "json_schemas", "max_cache"},
-    {"shims", "kernels"},
+    {"names", "stop", "inputs", "json_schemas", "max_cache"},
+    {"shims", "kernels", "cpu_runtime"},
     {"weights"},
     {"model_config"},
     {"tokenizer", "batch_processor", "memory_planner", "layers"},

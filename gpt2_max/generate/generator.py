@@ -29,6 +29,7 @@ from max.pipelines import AutoModel
 from max.serve.telemetry.gc_utils import freeze_gc_heap
 
 from .. import arch  # noqa: F401  (installs the shims before AutoModel builds its config)
+from ..names import PACKAGE
 from ..shims.internals import ROW_SEED_STRIDE
 from .requests import Options, Requests
 from .results import Completion
@@ -73,7 +74,7 @@ class Generator:
             str(model_path),
             **({} if device is None else {"devices": device}),
             max_batch_size=max_batch_size,
-            custom_architectures=[__name__.partition(".")[0]],
+            custom_architectures=[PACKAGE],
             **{"enable_prefix_caching": True, "enable_structured_output": True,
                **config_overrides},
         )

@@ -19,6 +19,7 @@ from llguidance import LLTokenizer
 from max.pipelines.context import SamplingParams, SamplingParamsInput, TextContext
 from max.pipelines.modeling.types import RequestID, TextGenerationRequest
 
+from ..names import PACKAGE
 from ..shims.internals import openai_response_format, xgrammar_backend
 from ..stop import StopScanner
 from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenizer
@@ -206,7 +207,7 @@ class Requests:
         requests = [
             TextGenerationRequest(
                 request_id=RequestID(),
-                model_name=__name__.partition(".")[0],
+                model_name=PACKAGE,
                 prompt=prompt if isinstance(prompt, str) else [int(t) for t in prompt],
                 logprobs=options.logprobs,
                 response_format=response_format,

@@ -19,6 +19,7 @@ from mojo.paths import MojoCompilationError
 from mojo.run import subprocess_run_mojo
 
 from ..max_cache import max_cache_dir
+from ..names import PACKAGE
 
 
 def source_hash(package: Path) -> str:
@@ -32,7 +33,7 @@ def source_hash(package: Path) -> str:
 @functools.cache
 def compiled_package(package: Path) -> Path:
     """`package` compiled, from MAX's cache folder if an earlier process compiled it."""
-    target = max_cache_dir() / "gpt2_max" / f"{package.name}_{source_hash(package)}.mojoc"
+    target = max_cache_dir() / PACKAGE / f"{package.name}_{source_hash(package)}.mojoc"
     if target.is_file():
         return target
     # Compiled under its final name (the compiler bakes the module name from it) in

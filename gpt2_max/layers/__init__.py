@@ -30,9 +30,10 @@ from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
 from ..model_config import GPT2ArchConfig
+from ..names import env_var
 from ..weights.schema import CheckpointError
 
-LAYERS_ENV = f"{__name__.partition('.')[0].upper()}_LAYERS"
+LAYERS_ENV = env_var("LAYERS")
 """Set to `plain` to serve the plain layers on the CPU too (the copier's starting point)."""
 
 

@@ -32,6 +32,7 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
 from .. import kernels
+from ..names import PACKAGE
 from ..shims.internals import quantized_matmul_op, quantized_repack_op
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import PACKED_ENCODINGS
@@ -107,7 +108,7 @@ def _matmul(encoding: QuantizationEncoding, x: Tensor, w: Tensor) -> Tensor:
 
 def _repack_graph(encoding: QuantizationEncoding) -> Graph:
     packed = TensorType(DType.uint8, ["rows", "row_bytes"], DeviceRef.CPU())
-    name = f"{__name__.partition('.')[0]}_repack_{encoding.name}"
+    name = f"{PACKAGE}_repack_{encoding.name}"
     with Graph(name, input_types=[packed]) as graph:
         op = quantized_repack_op(encoding)
         graph.output(ops.custom(op, DeviceRef.CPU(), [graph.inputs[0]], [packed])[0])

@@ -20,10 +20,9 @@ and why, so nothing else in the package imports a private MAX name:
   architecture's context type.
 - `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
   first use instead of at every start.
-- `runtime_threads`: MAX's CPU worker threads, found by the name the Mojo
-  runtime gives them, put below the thread that drives them
-  (`GPT2_MAX_WORKER_NICE`), and the engine's poller, found by how often it
-  wakes, put in the idle scheduling class.
+
+(How MAX's CPU threads are scheduled is a speed policy, not a reach past MAX's
+API: `gpt2_max.cpu_runtime`.)
 
 `WRITTEN_FOR` names the MAX releases these were checked against;
 `tests/shims/` assert that every leaned-on name and behaviour is still there,

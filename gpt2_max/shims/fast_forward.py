@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 from max.pipelines.context import TextContext
 
+from ..names import env_var
 from .internals import run_again
 
-ENV = "GPT2_MAX_FAST_FORWARD"
+ENV = env_var("FAST_FORWARD")
 
 
 def enabled() -> bool:

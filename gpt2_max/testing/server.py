@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from gpt2_max.names import PACKAGE
+
 MODEL_NAME = "gpt2"
 """What requests name in `model`: servers started here are `--served-model-name` it."""
 
@@ -68,7 +70,7 @@ def serve_command(model: Path, *args: str, devices: str | None = "cpu") -> list[
     `devices=None` leaves the device to MAX (the first GPU it sees, else the CPU)."""
     return [
         str(Path(sys.executable).with_name("max")), "serve",
-        "--custom-architectures", __name__.partition(".")[0],
+        "--custom-architectures", PACKAGE,
         "--model", str(model),
         *(() if devices is None else ("--devices", devices)),
         *args,

@@ -22,7 +22,7 @@ The workers are found by the name the Mojo runtime gives them, the engine's
 poller as the thread the model's load and first execute started that wakes
 that often; neither is promised by any MAX API: a MAX that named the workers
 otherwise, or had no such poller, is left alone, and
-`tests/shims/test_runtime_threads.py` fails by name. Only speed depends on
+`tests/cpu_runtime/test_threads.py` fails by name. Only speed depends on
 any of this, so no error of it reaches the model: it logs a warning.
 `GPT2_MAX_WORKER_NICE=0` leaves every MAX thread as MAX set it.
 """
@@ -34,9 +34,11 @@ import os
 import sys
 import time
 
+from ..names import env_var
+
 logger = logging.getLogger("max.pipelines")
 
-NICE_ENV = "GPT2_MAX_WORKER_NICE"
+NICE_ENV = env_var("WORKER_NICE")
 """Nice levels the runtime's workers run below the main thread; 0 leaves them be."""
 
 DEFAULT_NICE = 10

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpt2_max.shims.runtime_threads import (
+from gpt2_max.cpu_runtime.threads import (
     DEFAULT_NICE,
     MAX_NICE,
     NICE_ENV,
@@ -58,7 +58,7 @@ def test_a_loaded_generator_leaves_max_workers_below_its_main_thread(generator) 
 GENERATOR_POLLER_SCRIPT = """
 import json, os, sys, time
 from gpt2_max.generate import Generator
-from gpt2_max.shims.runtime_threads import engine_pollers, thread_ids
+from gpt2_max.cpu_runtime.threads import engine_pollers, thread_ids
 settle_s, sample_s = float(sys.argv[2]), float(sys.argv[3])
 with Generator(sys.argv[1], device="cpu", max_batch_size=1) as generator:
     generator.generate([464, 2068], 2)
@@ -113,7 +113,7 @@ def test_a_system_refusing_priorities_costs_a_warning_not_the_load(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(
-        "gpt2_max.shims.runtime_threads.worker_threads", lambda: [os.getpid()]
+        "gpt2_max.cpu_runtime.threads.worker_threads", lambda: [os.getpid()]
     )
     monkeypatch.setattr(os, "setpriority", _refuse)
     with caplog.at_level("WARNING", logger="max.pipelines"):
@@ -143,7 +143,7 @@ def test_no_worker_nice_leaves_the_engine_poller_as_max_set_it(
 ) -> None:
     monkeypatch.setenv(NICE_ENV, "0")
     monkeypatch.setattr(
-        "gpt2_max.shims.runtime_threads.engine_pollers", lambda among: [os.getpid()]
+        "gpt2_max.cpu_runtime.threads.engine_pollers", lambda among: [os.getpid()]
     )
     calls = []
     monkeypatch.setattr(os, "sched_setscheduler", lambda *args: calls.append(args))
@@ -161,7 +161,7 @@ def test_only_a_thread_started_since_the_load_can_be_the_poller(
         seen.append(among)
         return sorted(among)
 
-    monkeypatch.setattr("gpt2_max.shims.runtime_threads.engine_pollers", pollers)
+    monkeypatch.setattr("gpt2_max.cpu_runtime.threads.engine_pollers", pollers)
     monkeypatch.setattr(os, "sched_setscheduler", lambda *args: None)
     assert idle_engine_poller(thread_ids()) == []
     assert seen == [set()]
@@ -172,7 +172,7 @@ def test_a_system_refusing_the_idle_class_costs_a_warning(
 ) -> None:
     monkeypatch.delenv(NICE_ENV, raising=False)
     monkeypatch.setattr(
-        "gpt2_max.shims.runtime_threads.engine_pollers", lambda among: [os.getpid()]
+        "gpt2_max.cpu_runtime.threads.engine_pollers", lambda among: [os.getpid()]
     )
     monkeypatch.setattr(os, "sched_setscheduler", _refuse)
     with caplog.at_level("WARNING", logger="max.pipelines"):
