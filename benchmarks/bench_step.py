@@ -414,7 +414,7 @@ def main() -> None:
                         help="also time one streamed request through `max serve`")
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                         help="add to the environment of that `max serve` (repeatable), e.g. "
-                             "the settings README's 'Latency of one stream' recommends")
+                             "the settings docs/performance.md recommends")
     parser.add_argument("--floor", action="store_true",
                         help="also serve MAX's own Llama and gpt2_max at one small shape "
                              "(FLOOR_SUBJECTS) and take the same served table for each")

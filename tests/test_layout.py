@@ -1,6 +1,6 @@
 """The package's house: every import points down a floor, and the core stands alone.
 
-`FLOORS` is the layout README's copier guide draws, lowest first. A module may
+`FLOORS` is the layout `docs/porting.md` draws, lowest first. A module may
 import from its own room or a lower floor, never a higher one, so there are no
 loops between rooms, and MAX's serving path (`gpt2_max.arch`) loads neither the
 fast paths' kernels, the in-process generator nor the offline tools.

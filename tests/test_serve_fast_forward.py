@@ -104,7 +104,7 @@ def test_fast_forward_keeps_every_token_and_saves_steps(fast, answers, name) -> 
 
 
 def test_steps_saved_per_schema_are_reported(answers) -> None:
-    """Prints the table the README quotes (steps are MAX's batch count)."""
+    """Prints the table `docs/structured-output.md` quotes (steps are MAX's batch count)."""
     for name, pair in answers.items():
         print(f"{name}: {len(token_ids(pair['fast'][0]))} tokens, "
               f"{pair['slow'][1]} steps -> {pair['fast'][1]} steps")

@@ -51,7 +51,7 @@ WORKER_NAME_PREFIX = "\N{FIRE} Thread"
 POLLER_WAKES_PER_S = 1000
 """A new thread that wakes more often than this is the engine's poller: it wakes many
 times as often, and no other thread of a served or in-process model comes near
-(README, "Latency of one stream")."""
+(`docs/performance.md`, "Runtime threads")."""
 POLLER_SAMPLE_S = 0.02
 """How long `engine_pollers` counts wakes for."""
 

@@ -173,7 +173,7 @@ class Server:
         """The server's process group stopped (SIGSTOP) for the block, then resumed.
 
         An idle `max serve` is not idle: MAX's model worker polls its queues, and
-        an engine timed beside it loses that CPU (README, "Benchmark"). The server
+        an engine timed beside it loses that CPU (`benchmarks/README.md`). The server
         leads its own process group, so one signal reaches every process of it,
         however many it has started. Requests sent while paused wait until the
         block ends.

@@ -115,7 +115,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 # The bounds leave room below what this 2-layer, 256-wide random model (std 0.2
-# weights) measures (README's parity table): the error does not shrink from 4 to
+# weights) measures (`docs/gguf.md`'s parity table): the error does not shrink from 4 to
 # 6 weight bits, so it is qmatmul's 8-bit activations, which the
 # dequantized-weight reference does not have. A wrong block layout or scale
 # gives about chance agreement (1 in the vocabulary) and errors of the logits'

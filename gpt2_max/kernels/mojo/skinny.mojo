@@ -44,7 +44,7 @@ comptime MT = 4
 comptime CHUNK_BLOCKS = 16
 """Blocks per chunk, the unit the tasks take from their bands' counters: a few
 microseconds of streaming, short enough to share a small projection out evenly, long
-enough that taking one costs nothing beside it (README, "Inside a served step")."""
+enough that taking one costs nothing beside it (`docs/performance.md`, "How a kernel's tasks share the rows")."""
 comptime CHUNK_ROWS = CHUNK_BLOCKS * R
 """Weight rows per chunk."""
 comptime MC = 64
