@@ -3,7 +3,8 @@
 MAX 26.7 sizes the cache for `--max-batch-size` sequences of full length, as
 far as `--device-memory-utilization` of the free memory allows. On a GPU that
 fraction bounds it; on the CPU the free memory is the host's, so a large batch
-size reserves gigabytes whatever the real demand (`benchmarks/results/2026-11-23-memory-bounded-kv-cache.md` has the figures).
+size reserves gigabytes whatever the real demand (figures:
+`benchmarks/results/2026-11-23-memory-bounded-kv-cache.md`).
 Other servers let the user size the cache directly
 (llama.cpp's `-c`, shared by its `--parallel` slots).
 

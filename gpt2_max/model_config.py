@@ -29,9 +29,10 @@ from max.pipelines.modeling.config_enums import (
 from transformers import AutoConfig, AutoTokenizer, GPT2Config
 from typing_extensions import Self, override
 
+from . import encodings
 from .shims.internals import quantization_encoding
 from .weights.files import check_complete
-from .weights.plan import PACKED_ENCODINGS, WeightPlan
+from .weights.plan import WeightPlan
 from .weights.schema import feed_forward_size, ties_word_embeddings
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
@@ -127,17 +128,10 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
 
     DEFAULT_ENCODING: ClassVar[SupportedEncoding] = "float32"
-    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = {
-        "float32", "bfloat16", *PACKED_ENCODINGS
-    }
-    """float32 from safetensors or F32/F16/BF16 GGUFs (on the CPU, F16 matrices stay
-    float16 in memory, see `weights.gguf`); bfloat16, which MAX runs on GPUs only
-    and picks there by default (it casts a float32 default to bfloat16 on any
-    device that is not the CPU); MAX's CPU GGUF block encodings, which MAX moves
-    to the CPU when GPUs are asked for.
-    On the CPU a GGUF's tensors keep their own types whatever the encoding (mixed
-    files are the norm); the encoding picks the file, the graph's dtype and the
-    KV cache's."""
+    SUPPORTED_ENCODINGS: ClassVar[set[SupportedEncoding]] = set(encodings.SUPPORTED_ENCODINGS)
+    """What each is: `encodings.ENCODINGS`. MAX casts a float32 default to bfloat16
+    on any device that is not the CPU, and moves a block encoding asked for on a
+    GPU to the CPU, with a warning."""
 
     vocab_size: int
     usable_vocab_size: int
@@ -246,7 +240,7 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             # encoding (its own dtype, uint8, is its packing).
             dtype=(
                 DType.float32
-                if encoding in PACKED_ENCODINGS
+                if encoding in encodings.PACKED_ENCODINGS
                 else supported_encoding_dtype(encoding)
             ),
             devices=devices,

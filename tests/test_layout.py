@@ -19,7 +19,7 @@ from gpt2_max.testing.server import child_env
 PACKAGE = Path(gpt2_max.__file__).parent
 
 FLOORS: list[set[str]] = [
-    {"names", "stop", "inputs", "json_schemas", "max_cache"},
+    {"names", "encodings", "stop", "inputs", "json_schemas", "max_cache"},
     {"shims", "kernels", "cpu_runtime"},
     {"weights"},
     {"model_config"},

@@ -260,7 +260,7 @@ CYCLE = {
     [
         (CYCLE, "#/$defs/node (via property 'next') -> #/$defs/node"),
         ({"type": "string", "pattern": "(("}, "The parenthesis is not closed"),
-        # xgrammar refuses multipleOf outright (`docs/structured-output.md`: bounded numbers instead).
+        # xgrammar refuses multipleOf outright (docs/structured-output.md: bounded numbers).
         ({"type": "number", "multipleOf": 0.5}, "unsupported schema keyword: multipleOf"),
         ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum greater than maximum"),
     ],

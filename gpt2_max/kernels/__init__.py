@@ -23,6 +23,7 @@ from max.experimental import functional as F
 from max.experimental.tensor import Tensor
 from max.graph import DeviceRef, TensorType
 
+from ..encodings import KERNEL_TYPES
 from .package import compiled_package
 
 MOJO_PACKAGE = Path(__file__).parent / "mojo"
@@ -33,11 +34,6 @@ through the skinny kernel, larger ones through MAX's tiled matmul: the skinny ke
 streams each weight once and is the faster of the two at decode sizes, the tiled one
 reuses each packed weight tile across rows and is the faster at prefill sizes. The
 linear ops read it as their `max_rows` parameter and switch as they run."""
-
-PACKED_TYPES = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
-"""GGUF block types the packed kernel decodes (`mojo/kquant.mojo`), by encoding name,
-with the GGML type id the kernel is specialised on."""
-
 
 def skinny_linear(x: Any, w: Any, b: Any) -> Tensor:
     """`x @ w.T + b`, streaming `w` once for up to `SKINNY_MAX_ROWS` rows of `x` (see
@@ -64,12 +60,12 @@ falls back to float32. Naming one is for tests and benchmarks, which compare the
 
 def packed_linear(encoding: str, x: Any, w: Any, b: Any, *, dot: str = "auto") -> Tensor:
     """`x @ dequant(w).T + b`, `w` GGUF blocks of `encoding` as the file stores them."""
-    return _call("gpt2_packed_linear", x, w, b, fmt=PACKED_TYPES[encoding], dot=DOTS[dot])
+    return _call("gpt2_packed_linear", x, w, b, fmt=KERNEL_TYPES[encoding], dot=DOTS[dot])
 
 
 def packed_matmul(encoding: str, x: Any, w: Any, *, dot: str = "auto") -> Tensor:
     """`x @ dequant(w).T`, `w` GGUF blocks of `encoding` (a tied head over a packed table)."""
-    return _call("gpt2_packed_matmul", x, w, fmt=PACKED_TYPES[encoding], dot=DOTS[dot])
+    return _call("gpt2_packed_matmul", x, w, fmt=KERNEL_TYPES[encoding], dot=DOTS[dot])
 
 
 def paged_attention(

@@ -32,10 +32,10 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
 from .. import kernels
+from ..encodings import MAX_KERNEL_ENCODINGS
 from ..names import PACKAGE
 from ..shims.internals import quantized_matmul_op, quantized_repack_op
 from ..weights.hugepages import hugepage_array
-from ..weights.plan import PACKED_ENCODINGS
 
 PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
@@ -43,17 +43,16 @@ features); a table with other counts (GPT-2's 50257 tokens) is padded with
 all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
 
 
-MAX_KERNEL_ENCODINGS = frozenset(QuantizationEncoding[name.upper()] for name in PACKED_ENCODINGS)
-"""Encodings MAX's CPU `qmatmul` multiplies; the rest go through the package's kernel.
+def has_max_kernel(encoding: QuantizationEncoding) -> bool:
+    """Whether MAX's CPU `qmatmul` multiplies `encoding`; the rest go through the
+    package's kernel (`encodings.ENCODINGS`).
 
-Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps about
+    Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps about
 as fast (`benchmarks/bench_packed.py`): a weight's kernel serves every step size, and
 the package's prefill (each weight row decoded again per tile of input rows, so that
-every row count runs one arithmetic) is several times slower than `qmatmul`'s."""
-
-
-def has_max_kernel(encoding: QuantizationEncoding) -> bool:
-    return encoding in MAX_KERNEL_ENCODINGS
+every row count runs one arithmetic) is several times slower than `qmatmul`'s.
+    """
+    return encoding.name.lower() in MAX_KERNEL_ENCODINGS
 
 
 def padded_rows(rows: int) -> int:

@@ -42,18 +42,24 @@ from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData, Weights
 
+from ..encodings import KEPT_PACKED
 from ..shims.internals import gguf_reader
 from .gguf_names import hub_name
 from .hugepages import hugepage_array
-from .plan import KEPT_PACKED
-from .schema import CheckpointError, expected_shapes, feed_forward_size, is_projection_weight
+from .schema import (
+    CheckpointError,
+    feed_forward_size,
+    is_projection_weight,
+    match_tensors,
+    ties_word_embeddings,
+)
 
 logger = logging.getLogger("max.pipelines")
 
 KERNEL_ENCODINGS: dict[Q, QuantizationEncoding] = {
     Q[name.upper()]: QuantizationEncoding[name.upper()] for name in KEPT_PACKED
 }
-"""Block types whose matmul weights stay packed (`plan.KEPT_PACKED`)."""
+"""Block types whose matmul weights stay packed (`encodings.KEPT_PACKED`)."""
 
 WIDENED = (Q.F16, Q.BF16)
 """Float types read exactly (widened to float32 unless `stays_half`)."""
@@ -146,26 +152,22 @@ def convert_gguf_state_dict(
     reader = gguf_reader(next(iter(state_dict.values())))
     check_metadata(metadata(reader), huggingface_config)
     tensors = {t.name: t for t in reader.tensors}
-    expected = expected_shapes(huggingface_config)
+    found = (
+        (key, hub_name(key) or key, tuple(int(d) for d in reversed(tensors[key].shape.tolist())))
+        for key in state_dict
+    )
+    tied_head = ties_word_embeddings(huggingface_config)
     converted: dict[str, WeightData] = {}
     dequantized: list[str] = []
-    for key in state_dict:
-        name = hub_name(key)
-        if name == "lm_head.weight" and name not in expected:
-            continue  # A tied head written anyway: it is `wte.weight` again.
-        if name is None or name not in expected:
-            raise CheckpointError(f"unexpected tensor {key!r}: not a llama.cpp GPT-2 tensor.")
+    for key, name in match_tensors(
+        found, huggingface_config, source="GGUF", foreign="llama.cpp GPT-2 tensor"
+    ):
         tensor = tensors[key]
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if shape != expected[name]:
-            raise CheckpointError(
-                f"tensor {key!r} has shape {shape}; the config implies {expected[name]}."
-            )
         qtype = tensor.tensor_type
         if qtype in KERNEL_ENCODINGS and stays_packed(name):
             converted[name] = _packed(name, state_dict[key])
             continue
-        if qtype in KERNEL_ENCODINGS and name == "wte.weight" and "lm_head.weight" not in expected:
+        if qtype in KERNEL_ENCODINGS and name == "wte.weight" and tied_head:
             # A tied head over a packed table multiplies the blocks (a float copy
             # would cost 4-8x their bytes per decode step); the gather below
             # reads float rows.
@@ -176,12 +178,6 @@ def convert_gguf_state_dict(
         if qtype not in (Q.F32, *WIDENED):
             dequantized.append(f"{key} ({qtype.name})")
         converted[name] = WeightData.from_numpy(_float32(key, tensor), name)
-    missing = [name for name in expected if name not in converted]
-    if missing:
-        raise CheckpointError(
-            f"GGUF is missing {len(missing)} tensor(s), first {missing[0]!r} "
-            f"with shape {expected[missing[0]]}."
-        )
     if dequantized:
         logger.info(
             "gpt2_max: no packed kernel for %d GGUF tensor(s), dequantized to float32 at "

@@ -16,16 +16,6 @@ from typing import Any
 from max.dtype import DType
 from max.graph.quantization import QuantizationEncoding
 
-PACKED_ENCODINGS = frozenset({"q4_0", "q4_k", "q6_k"})
-"""The architecture's quantization encodings: GGUF block encodings MAX's
-`--quantization-encoding` names and has CPU kernels (`qmatmul`) for."""
-
-KEPT_PACKED = PACKED_ENCODINGS | {"q5_k"}
-"""Block types whose matmul weights stay packed: those the package's kernel decodes
-(`kernels.PACKED_TYPES`, not imported here: serving loads no kernel before a graph
-is built) that MAX's GGUF reader and `QuantizationEncoding` name (Q8_0 has no
-member, so Q8_0 tensors are dequantized at load)."""
-
 
 @dataclass(frozen=True)
 class WeightPlan:

@@ -25,19 +25,15 @@ from max.dtype import DType
 from max.graph.weights import WeightData, Weights
 
 from .hugepages import hugepage_array
-from .schema import (
-    CAUSAL_MASK_BUFFERS,
-    CheckpointError,
-    expected_shapes,
-    hub_shape,
-    is_projection_weight,
-)
+from .schema import CAUSAL_MASK_BUFFERS, CheckpointError, is_projection_weight, match_tensors
 
 
 def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
     """The tensor as float32 in an array of its own (see `mapping.py`), maybe transposed.
 
-    Float32 because MAX's CPU path has no half precision.
+    Float32 is exact for float16 and bfloat16 tensors and is what the CPU's graph
+    reads (MAX's CPU path has no half precision); the plain layers cast it on to a
+    GPU graph's bfloat16 (`layers.Layers.prepare`).
     """
     if not weight.dtype.is_float():
         raise CheckpointError(
@@ -49,6 +45,12 @@ def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
     return WeightData.from_numpy(hugepage_array(array.T if transpose else array), name)
 
 
+def _parameter(key: str) -> str | None:
+    """The parameter a hub or transformers key names; None for a causal-mask buffer."""
+    name = key.removeprefix("transformer.")
+    return None if CAUSAL_MASK_BUFFERS.fullmatch(name) else name
+
+
 def convert_safetensor_state_dict(
     state_dict: dict[str, Weights], huggingface_config: Any, **unused_kwargs: Any
 ) -> dict[str, WeightData]:
@@ -57,30 +59,11 @@ def convert_safetensor_state_dict(
     Raises:
         CheckpointError: a tensor is missing, unexpected, or of the wrong shape.
     """
-    expected = expected_shapes(huggingface_config)
-    converted: dict[str, WeightData] = {}
-    for key, weights in state_dict.items():
-        name = key.removeprefix("transformer.")
-        if CAUSAL_MASK_BUFFERS.fullmatch(name):
-            continue
-        if name == "lm_head.weight" and name not in expected:
-            continue  # A tied head saved anyway: it is `wte.weight` again.
-        if name not in expected:
-            raise CheckpointError(
-                f"unexpected tensor {key!r}: not a GPT2LMHeadModel parameter."
-            )
-        weight = weights.data()
-        stored_shape = hub_shape(name, expected[name])
-        shape = tuple(int(d) for d in weight.shape)
-        if shape != stored_shape:
-            raise CheckpointError(
-                f"tensor {key!r} has shape {shape}; the config implies {stored_shape}."
-            )
-        converted[name] = _as_float32(name, weight, transpose=is_projection_weight(name))
-    missing = [name for name in expected if name not in converted]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint is missing {len(missing)} tensor(s), first "
-            f"{missing[0]!r} with shape {expected[missing[0]]}."
+    data = {key: weights.data() for key, weights in state_dict.items()}
+    found = [(key, _parameter(key), tuple(int(d) for d in w.shape)) for key, w in data.items()]
+    return {
+        name: _as_float32(name, data[key], transpose=is_projection_weight(name))
+        for key, name in match_tensors(
+            found, huggingface_config, source="checkpoint", foreign="GPT2LMHeadModel parameter"
         )
-    return converted
+    }

@@ -12,6 +12,7 @@ naming the tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 PROJECTIONS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -78,3 +79,48 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     if not ties_word_embeddings(hf_config):
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
+
+
+def match_tensors(
+    found: Iterable[tuple[str, str | None, tuple[int, ...]]],
+    hf_config: Any,
+    *,
+    source: str,
+    foreign: str,
+) -> list[tuple[str, str]]:
+    """The rule every checkpoint format is held to, in one place: which of its tensors
+    load, as which parameter.
+
+    `found` holds each tensor's key in the file, the parameter name it maps to
+    (None for a key the format ignores) and its shape as the file stores it. A
+    tied head saved anyway is dropped (it is `wte.weight` again); every other
+    tensor must be a parameter of the config's shape (`hub_shape` for a hub file:
+    `source="checkpoint"`), and none may be missing.
+
+    Returns:
+        (key, parameter name) of each tensor to load, in file order.
+
+    Raises:
+        CheckpointError: an unexpected (`foreign`: what it is not), wrongly shaped
+            or missing tensor, naming it.
+    """
+    expected = expected_shapes(hf_config)
+    matched = []
+    for key, name, shape in found:
+        if name is None or (name == "lm_head.weight" and name not in expected):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"unexpected tensor {key!r}: not a {foreign}.")
+        stored = hub_shape(name, expected[name]) if source == "checkpoint" else expected[name]
+        if shape != stored:
+            raise CheckpointError(
+                f"tensor {key!r} has shape {shape}; the config implies {stored}."
+            )
+        matched.append((key, name))
+    loaded = {name for _, name in matched}
+    if missing := [name for name in expected if name not in loaded]:
+        raise CheckpointError(
+            f"{source} is missing {len(missing)} tensor(s), first {missing[0]!r} "
+            f"with shape {expected[missing[0]]}."
+        )
+    return matched

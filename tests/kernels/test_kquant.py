@@ -20,8 +20,8 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
+from gpt2_max.encodings import KEPT_PACKED, KERNEL_TYPES
 from gpt2_max.tools.gguf_quants import quantize
-from gpt2_max.weights.plan import KEPT_PACKED
 
 ROWS = (1, 2, 3, 4, 5, 7, 16, 17, 64, 131)
 """Every register-tile height, more rows than a tile, and more than one pass of rows."""
@@ -40,14 +40,14 @@ the served model "auto"."""
 
 CASES = [
     (encoding, dot, k, n)
-    for encoding in sorted(kernels.PACKED_TYPES)
+    for encoding in sorted(KERNEL_TYPES)
     for dot in (("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS else ("auto",))
     for k, n in SHAPES + (SMALL_BLOCK_SHAPES if encoding in ("q4_0", "q8_0") else ())
 ]
 
 
 def test_every_type_kept_packed_has_a_kernel():
-    assert KEPT_PACKED <= set(kernels.PACKED_TYPES)
+    assert KEPT_PACKED <= set(KERNEL_TYPES)
 
 
 @functools.cache
@@ -130,7 +130,7 @@ def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
         assert np.all(np.abs(got - exact) <= float_atol(k) * 1e-2 + int8_atol(x, w) / finer), dot
 
 
-@pytest.mark.parametrize("encoding", sorted(kernels.PACKED_TYPES))
+@pytest.mark.parametrize("encoding", sorted(KERNEL_TYPES))
 def test_a_row_comes_out_the_same_whatever_it_is_batched_with(encoding):
     """The arithmetic the model runs ("auto") does not depend on the row count: rows
     multiplied alone equal the same rows inside a prefill-sized call, bit for bit, so

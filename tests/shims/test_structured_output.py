@@ -83,7 +83,7 @@ def test_other_architectures_are_still_refused(llama_checkpoint: Path) -> None:
 
 
 def test_xgrammar_is_the_only_backend_max_offers() -> None:
-    """Recorded in `docs/max-26.7.md`: `--structured-output-backend` takes only `xgrammar` in 26.7."""
+    """`--structured-output-backend` takes only `xgrammar` in 26.7 (`docs/max-26.7.md`)."""
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     assert make_grammar_backend("xgrammar", tokenizer, tokenizer.vocab_size).name == "xgrammar"
     with pytest.raises(ValueError, match="supported: 'xgrammar'"):

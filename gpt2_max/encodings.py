@@ -1,0 +1,57 @@
+"""Every weight encoding the package knows, in one table, and the sets read off it.
+
+An encoding is either a `--quantization-encoding` value (it picks the file, the
+graph's dtype and the KV cache's) or a GGUF block type a file may hold whatever
+the flag says (mixed files are the norm). Which of them stay packed in memory,
+which MAX's `qmatmul` multiplies and which the package's kernel decodes are all
+properties of the row here; nothing else lists encodings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Encoding:
+    flag: bool
+    """A `--quantization-encoding` value the architecture supports."""
+    packed: bool = False
+    """GGUF blocks kept packed in memory and multiplied as blocks (CPU only)."""
+    max_kernel: bool = False
+    """MAX's CPU `qmatmul` multiplies it (else the package's kernel does)."""
+    kernel_type: int | None = None
+    """The GGML type id the package's packed kernel is specialised on
+    (`kernels/mojo/kquant.mojo`), where it decodes the type."""
+
+
+ENCODINGS: dict[str, Encoding] = {
+    # The default; F32/F16/BF16 GGUFs and safetensors of any float dtype load under it.
+    "float32": Encoding(flag=True),
+    # MAX's default on a GPU (it casts a float32 default there); GPU only.
+    "bfloat16": Encoding(flag=True),
+    "q4_0": Encoding(flag=True, packed=True, max_kernel=True, kernel_type=2),
+    "q4_k": Encoding(flag=True, packed=True, max_kernel=True, kernel_type=12),
+    "q6_k": Encoding(flag=True, packed=True, max_kernel=True, kernel_type=14),
+    # No `--quantization-encoding` value of MAX's; kept packed inside a GGUF.
+    "q5_k": Encoding(flag=False, packed=True, kernel_type=13),
+    # The kernel decodes it, but MAX's GGUF reader and `QuantizationEncoding` have
+    # no Q8_0, so a file's Q8_0 tensors are dequantized at load (`weights/gguf.py`).
+    "q8_0": Encoding(flag=False, kernel_type=8),
+}
+
+SUPPORTED_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.flag)
+"""The architecture's `supported_encodings`."""
+
+PACKED_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.flag and e.packed)
+"""The block encodings `--quantization-encoding` names: under them the graph's
+activations stay float32 (the encoding's own dtype, uint8, is its packing)."""
+
+KEPT_PACKED = frozenset(name for name, e in ENCODINGS.items() if e.packed)
+"""Block types whose matmul weights stay packed when a GGUF holds them."""
+
+MAX_KERNEL_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.max_kernel)
+"""Block types MAX's `qmatmul` multiplies; the other packed ones go through the package's."""
+
+KERNEL_TYPES = {name: e.kernel_type for name, e in ENCODINGS.items() if e.kernel_type is not None}
+"""Block types the package's packed kernel decodes, with the GGML type id it is specialised on."""
