@@ -27,6 +27,7 @@ from max.pipelines.lib.interfaces.batch_processor import (
 )
 
 from .inputs import GPT2Inputs
+from .names import PACKAGE
 from .shims.internals import processing_offset
 
 
@@ -44,7 +45,7 @@ def position_ids(contexts: Sequence[TextContext]) -> np.ndarray:
         if offset := processing_offset(ctx.tokens):
             raise ValueError(
                 f"request {ctx.request_id} has processing offset "
-                f"{offset}; gpt2_max positions assume none."
+                f"{offset}; {PACKAGE} positions assume none."
             )
     return np.concatenate(
         [

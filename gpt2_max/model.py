@@ -31,6 +31,7 @@ from .gpt2 import GPT2
 from .layers import layers_for, uses_fast_layers
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
+from .names import PACKAGE
 from .shims.log_probabilities import LazyLogProbabilities
 from .weights.mapping import release
 from .weights.plan import WeightPlan
@@ -48,7 +49,7 @@ def announce_compile(encoding: object) -> None:
     taken for a hung one."""
     minutes = max(1, math.ceil(FIRST_COMPILE_CORE_MINUTES / (os.cpu_count() or 1)))
     logger.info(
-        "gpt2_max: compiling the GPT-2 graph for %s; the first start takes about %d "
+        f"{PACKAGE}: compiling the GPT-2 graph for %s; the first start takes about %d "
         "minute%s on this machine, later starts reuse MAX's cache at %s",
         encoding, minutes, "" if minutes == 1 else "s", max_cache_dir(),
     )
@@ -83,7 +84,7 @@ class GPT2PipelineModel(
             # MAX asks for VARIABLE only under speculative decoding, which needs
             # the overlap scheduler this architecture does not declare.
             raise ValueError(
-                f"gpt2_max returns last-token or all logits, not {self.return_logits}."
+                f"{PACKAGE} returns last-token or all logits, not {self.return_logits}."
             )
         # The fast layers hold each weight as the adapter loaded it; the plain ones
         # cast every weight to the graph's dtype (`Layers.prepare`).

@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoTokenizer, GPT2Config
 from typing_extensions import Self, override
 
 from . import encodings
+from .names import PACKAGE
 from .shims.internals import quantization_encoding
 from .weights.files import check_complete
 from .weights.plan import WeightPlan
@@ -91,13 +92,13 @@ def validate_huggingface_config(hf_config: Any) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type != "gpt2":
         raise UnsupportedCheckpointError(
-            f"gpt2_max serves GPT-2 checkpoints (model_type 'gpt2'); this config "
+            f"{PACKAGE} serves GPT-2 checkpoints (model_type 'gpt2'); this config "
             f"has model_type {model_type!r}."
         )
     if getattr(hf_config, "add_cross_attention", False):
         raise UnsupportedCheckpointError(
             "add_cross_attention=True makes GPT-2 an encoder-decoder component; "
-            "gpt2_max serves decoder-only language models."
+            f"{PACKAGE} serves decoder-only language models."
         )
     activation = hf_config.activation_function
     if activation not in ACTIVATIONS:

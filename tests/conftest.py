@@ -54,9 +54,21 @@ VARIANTS: dict[str, dict] = {
 LAYOUTS = ("hub", "transformers-sharded")
 
 
+TIERS = ("unit", "model", "serve", "gpu")
+"""What a test needs, cheapest first: `python -m pytest -m unit` is the quick tier."""
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The `gpu` tier runs where MAX sees an accelerator; elsewhere it is deselected
+    """Every test has one tier (`@pytest.mark.tier(...)`, the closest wins: a module's
+    `pytestmark` unless the test names its own), which becomes its marker for `-m`.
+    The `gpu` tier runs where MAX sees an accelerator; elsewhere it is deselected
     (reported as such), not collected as skips."""
+    for item in items:
+        tier = item.get_closest_marker("tier")
+        if tier is None or tier.args[0] not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: give it a tier, one of {TIERS}")
+        item.add_marker(tier.args[0])
     if accelerator_count() > 0:
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -9,6 +9,8 @@ from max.pipelines.context.tokens import TokenBuffer
 
 from gpt2_max.batch_processor import position_ids
 
+pytestmark = pytest.mark.tier("unit")
+
 
 def context(length: int, processed: int) -> TextContext:
     ctx = TextContext(max_length=2048, tokens=TokenBuffer(np.arange(length, dtype=np.int64)))

@@ -18,6 +18,8 @@ from gpt2_max.model_config import ACTIVATIONS, GPT2_VOCAB_SIZE
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 from tests.conftest import LAYOUTS, PADDED_VOCAB_SIZE, VARIANTS
 
+pytestmark = pytest.mark.tier("model")
+
 NEW_TOKENS = 32
 LOGITS_ATOL = 1e-4
 """About three times the largest difference measured over these cases (README)."""
@@ -48,6 +50,7 @@ def test_batched_greedy_decode_matches_transformers(
         assert np.all(logits[:, vocab:] == -np.inf)
 
 
+@pytest.mark.tier("unit")
 def test_padded_rows_would_win_unmasked(hf_models):
     """The padded variant exercises the mask: transformers, unmasked, picks padding."""
     model = hf_models("relu-untied-padded-unscaled-layer-scaled")

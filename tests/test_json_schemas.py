@@ -21,6 +21,8 @@ from gpt2_max.json_schemas import (
 )
 from gpt2_max.tokenizer import TOKENIZER_DIR
 
+pytestmark = pytest.mark.tier("unit")
+
 NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
 
 

@@ -13,8 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gpt2_max
 from gpt2_max.testing.server import child_env
+
+pytestmark = pytest.mark.tier("unit")
 
 PACKAGE = Path(gpt2_max.__file__).parent
 

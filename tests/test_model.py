@@ -10,7 +10,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from gpt2_max.testing.reference import hf_greedy, random_prompt
+
+pytestmark = pytest.mark.tier("model")
 
 
 def test_the_checkpoint_is_unmapped_and_the_model_still_exact(

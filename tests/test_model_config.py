@@ -22,6 +22,8 @@ from gpt2_max.model_config import (
 )
 from gpt2_max.testing.reference import TINY
 
+pytestmark = pytest.mark.tier("unit")
+
 
 def test_family_defaults_are_accepted():
     validate_huggingface_config(GPT2Config())

@@ -14,7 +14,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from gpt2_max.testing.server import child_env
+
+pytestmark = pytest.mark.tier("unit")
 
 ROOT = Path(__file__).resolve().parents[1]
 

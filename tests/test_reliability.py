@@ -17,7 +17,8 @@ from gpt2_max.testing.load import LoadRequest, expected_tokens, plan_requests, r
 from gpt2_max.testing.reference import TINY, random_prompt
 from gpt2_max.testing.server import assert_start_fails, max_serve, tree_rss
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.tier("serve")
+
 
 N_POSITIONS = TINY["n_positions"]
 CONCURRENCY = 32

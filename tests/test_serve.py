@@ -29,6 +29,8 @@ from gpt2_max.testing.reference import (
 from gpt2_max.testing.server import MODEL_NAME, max_serve
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE
 
+pytestmark = pytest.mark.tier("serve")
+
 N_POSITIONS = TINY["n_positions"]
 LOGPROBS_ATOL = 1e-4
 """About ten times the largest difference measured in these tests (README)."""

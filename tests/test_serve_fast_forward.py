@@ -24,6 +24,8 @@ from gpt2_max.testing.reference import TINY
 from gpt2_max.testing.schemas import SCHEMAS
 from gpt2_max.testing.server import max_serve, steps_run
 
+pytestmark = pytest.mark.tier("serve")
+
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 MAX_TOKENS = 256
 

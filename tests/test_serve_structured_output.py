@@ -31,6 +31,8 @@ from gpt2_max.testing.reference import TINY, hf_xgrammar_greedy, server_grammar_
 from gpt2_max.testing.schemas import SCHEMAS, UNBOUNDED_NUMBERS, UNBOUNDED_NUMBERS_LONGEST
 from gpt2_max.tokenizer import TOKENIZER_DIR
 
+pytestmark = pytest.mark.tier("serve")
+
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 MAX_TOKENS = 256
 SEEDS = range(1, 4)

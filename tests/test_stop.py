@@ -2,8 +2,12 @@
 
 import random
 
+import pytest
+
 from gpt2_max.stop import StopScanner, cut_at_stop
 from gpt2_max.testing.reference import stopped_text
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def test_cut_and_stream_agree_with_brute_force() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from max.pipelines.modeling.types import TextGenerationRequestMessage
 from transformers import AutoTokenizer
 
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, TOKENIZER_DIR, GPT2TextTokenizer
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def test_plain_template_renders_roles_and_a_generation_prompt():
@@ -22,6 +25,7 @@ def test_plain_template_renders_roles_and_a_generation_prompt():
     assert rendered == "System: Be brief.\nUser: Hi\nAssistant: Hello.\nUser: Bye\nAssistant:"
 
 
+@pytest.mark.tier("model")
 def test_a_given_chat_template_wins_over_the_plain_one(checkpoints, max_models):
     """`--chat-template` reaches the tokenizer as `chat_template`; it must be used."""
     folder = checkpoints("default", "hub")

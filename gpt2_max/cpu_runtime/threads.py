@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from ..names import env_var
+from ..names import PACKAGE, env_var
 
 logger = logging.getLogger("max.pipelines")
 
@@ -155,10 +155,10 @@ def yield_to_main_thread(nice: int | None = None) -> list[int]:
             lowered.append(tid)
     except OSError as error:
         # A sandbox that refuses priorities costs speed, never the model.
-        logger.warning("gpt2_max: MAX's CPU workers keep their priority: %s", error)
+        logger.warning(f"{PACKAGE}: MAX's CPU workers keep their priority: %s", error)
     else:
         if lowered:
-            logger.debug("gpt2_max: MAX's %d CPU workers at nice %d", len(lowered), target)
+            logger.debug(f"{PACKAGE}: MAX's %d CPU workers at nice %d", len(lowered), target)
     return lowered
 
 
@@ -182,5 +182,5 @@ def idle_engine_poller(existing: set[int]) -> list[int]:
                 continue
             idled.append(tid)
     except Exception as error:  # noqa: BLE001 (a speed setting must never fail a step)
-        logger.warning("gpt2_max: MAX's engine poller keeps its priority: %s", error)
+        logger.warning(f"{PACKAGE}: MAX's engine poller keeps its priority: %s", error)
     return idled

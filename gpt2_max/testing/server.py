@@ -65,12 +65,15 @@ def child_env(**overrides: str) -> dict[str, str]:
     return {**env, **overrides}
 
 
-def serve_command(model: Path, *args: str, devices: str | None = "cpu") -> list[str]:
-    """The `max serve` command line that loads `model` through the gpt2_max plugin;
-    `devices=None` leaves the device to MAX (the first GPU it sees, else the CPU)."""
+def serve_command(
+    model: Path, *args: str, devices: str | None = "cpu", package: str = PACKAGE
+) -> list[str]:
+    """The `max serve` command line that loads `model` through the plugin `package`
+    (this one unless a copy is named); `devices=None` leaves the device to MAX (the
+    first GPU it sees, else the CPU)."""
     return [
         str(Path(sys.executable).with_name("max")), "serve",
-        "--custom-architectures", PACKAGE,
+        "--custom-architectures", package,
         "--model", str(model),
         *(() if devices is None else ("--devices", devices)),
         *args,
@@ -222,10 +225,12 @@ def max_serve(
     log: Path,
     devices: str | None = "cpu",
     env: dict[str, str] | None = None,
+    package: str = PACKAGE,
 ) -> Iterator[Server]:
     """Starts `max serve` for `model` on a free port, yields it once it answers, stops it.
 
-    `args` are further `max serve` flags; the server's output goes to `log`.
+    `args` are further `max serve` flags; the server's output goes to `log`;
+    `package` is the plugin `--custom-architectures` loads.
     """
     port, metrics_port = free_port(), free_port()
     env = child_env(MAX_SERVE_METRICS_ENDPOINT_PORT=str(metrics_port), **(env or {}))
@@ -236,6 +241,7 @@ def max_serve(
         "--port", str(port),
         *args,
         devices=devices,
+        package=package,
     )
     with open(log, "wb") as out:
         process = subprocess.Popen(

@@ -43,6 +43,7 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData, Weights
 
 from ..encodings import KEPT_PACKED
+from ..names import PACKAGE
 from ..shims.internals import gguf_reader
 from .gguf_names import hub_name
 from .hugepages import hugepage_array
@@ -92,7 +93,7 @@ def check_architecture(meta: dict[str, Any]) -> None:
     arch = meta.get("general.architecture")
     if arch != "gpt2":
         raise CheckpointError(
-            f"this GGUF holds a {arch!r} model (general.architecture); gpt2_max "
+            f"this GGUF holds a {arch!r} model (general.architecture); {PACKAGE} "
             "serves llama.cpp's 'gpt2' architecture."
         )
 
@@ -180,7 +181,7 @@ def convert_gguf_state_dict(
         converted[name] = WeightData.from_numpy(_float32(key, tensor), name)
     if dequantized:
         logger.info(
-            "gpt2_max: no packed kernel for %d GGUF tensor(s), dequantized to float32 at "
+            f"{PACKAGE}: no packed kernel for %d GGUF tensor(s), dequantized to float32 at "
             "load: %s",
             len(dequantized),
             ", ".join(dequantized),

@@ -26,6 +26,8 @@ from gpt2_max.cpu_runtime.threads import (
 )
 from gpt2_max.testing.server import child_env
 
+pytestmark = pytest.mark.tier("unit")
+
 
 def test_the_nice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(NICE_ENV, raising=False)
@@ -45,6 +47,7 @@ def _nice(pid: int, tid: int) -> int:
     return int(stat.rsplit(")", 1)[1].split()[16])
 
 
+@pytest.mark.tier("model")
 def test_a_loaded_generator_leaves_max_workers_below_its_main_thread(generator) -> None:
     workers = worker_threads()
     # None found means the runtime named its workers otherwise.
@@ -78,6 +81,7 @@ thread in the idle class wakes as often as it would on an idle machine."""
 SAMPLE_S = 0.3
 
 
+@pytest.mark.tier("model")
 def test_a_generator_that_ran_has_max_engine_poller_alone_in_the_idle_class(
     gpt2_max_checkpoint: Path,
 ) -> None:
@@ -96,6 +100,7 @@ def test_a_generator_that_ran_has_max_engine_poller_alone_in_the_idle_class(
     assert sorted(found["idle"]) == found["pollers"]
 
 
+@pytest.mark.tier("serve")
 def test_the_served_model_worker_runs_max_workers_below_its_main_thread(
     gpt2_max_server,
 ) -> None:
@@ -122,6 +127,7 @@ def test_a_system_refusing_priorities_costs_a_warning_not_the_load(
     assert yield_to_main_thread(0) == []
 
 
+@pytest.mark.tier("serve")
 def test_the_served_model_worker_has_its_engine_poller_alone_in_the_idle_class(
     gpt2_max_server,
 ) -> None:

@@ -19,6 +19,8 @@ from llguidance import LLMatcher
 
 from gpt2_max.generate.constrained import JSON_OPTIONS
 
+pytestmark = pytest.mark.tier("model")
+
 NAME = {"type": "string", "maxLength": 8}
 SCHEMAS = {
     "record": {

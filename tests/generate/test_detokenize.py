@@ -1,9 +1,12 @@
 """Streaming text never splits a UTF-8 character and adds up to the full decode."""
 
+import pytest
 from transformers import AutoTokenizer
 
 from gpt2_max.generate.detokenize import REPLACEMENT, IncrementalText
 from gpt2_max.tokenizer import TOKENIZER_DIR
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def test_pieces_are_whole_characters_and_join_to_the_text():

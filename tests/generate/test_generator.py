@@ -14,6 +14,8 @@ import torch
 from gpt2_max.stop import cut_at_stop
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 
+pytestmark = pytest.mark.tier("model")
+
 NEW_TOKENS = 12
 
 

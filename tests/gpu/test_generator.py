@@ -13,7 +13,8 @@ from gpt2_max.testing.reference import random_prompt
 
 from .parity import assert_clear_tokens_match
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.tier("gpu")
+
 
 
 @pytest.fixture(scope="module")

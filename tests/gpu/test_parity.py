@@ -17,7 +17,8 @@ from gpt2_max.testing.reference import random_prompt
 
 from .parity import BFLOAT16_MARGIN, reference_rows, top2_margins
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.tier("gpu")
+
 
 PROMPTS = [random_prompt(length, seed=8100 + i) for i, length in enumerate((5, 17, 64, 130))]
 NEW_TOKENS = 48

@@ -22,7 +22,7 @@ from gpt2_max.testing.server import MODEL_NAME, child_env, max_serve
 
 from .parity import assert_clear_tokens_match, reference_rows
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.tier("gpu")
 
 SERVE_ARGS = (
     "--max-batch-size", "8",

@@ -21,6 +21,8 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
 
+pytestmark = pytest.mark.tier("model")
+
 LAYERS, LAYER, PAGE = 3, 1, 16
 SEQUENCES = {
     "prompt": (0, 37),

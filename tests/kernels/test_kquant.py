@@ -23,6 +23,8 @@ from gpt2_max import kernels
 from gpt2_max.encodings import KEPT_PACKED, KERNEL_TYPES
 from gpt2_max.tools.gguf_quants import quantize
 
+pytestmark = pytest.mark.tier("model")
+
 ROWS = (1, 2, 3, 4, 5, 7, 16, 17, 64, 131)
 """Every register-tile height, more rows than a tile, and more than one pass of rows."""
 SHAPES = ((768, 2304), (256, 1), (512, 37), (3072, 768))
@@ -46,6 +48,7 @@ CASES = [
 ]
 
 
+@pytest.mark.tier("unit")
 def test_every_type_kept_packed_has_a_kernel():
     assert KEPT_PACKED <= set(KERNEL_TYPES)
 

@@ -12,6 +12,8 @@ from gpt2_max import kernels
 from gpt2_max.kernels import package
 from gpt2_max.testing.server import child_env
 
+pytestmark = pytest.mark.tier("unit")
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -27,6 +29,7 @@ def cache(tmp_path, monkeypatch):
     package.compiled_package.cache_clear()
 
 
+@pytest.mark.tier("model")
 def test_compiled_once_then_reused_and_recompiled_when_a_source_changes(cache, tmp_path):
     folder, runs = cache
     source = tmp_path / "mojo"
@@ -46,6 +49,7 @@ def test_compiled_once_then_reused_and_recompiled_when_a_source_changes(cache, t
     assert second != first and second.is_file() and len(runs) == 2
 
 
+@pytest.mark.tier("model")
 def test_a_kernel_that_does_not_compile_names_the_error(cache, tmp_path):
     source = tmp_path / "mojo"
     shutil.copytree(kernels.MOJO_PACKAGE, source)

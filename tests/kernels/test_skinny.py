@@ -13,6 +13,8 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 from gpt2_max import kernels
 from gpt2_max.kernels import SKINNY_MAX_ROWS
 
+pytestmark = pytest.mark.tier("model")
+
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 64, 131)
 """Every register-tile height, full tiles plus each remainder, more rows than a tile, and
 more than one pass of rows (a prefill through float16 weights), whole and with a tail;

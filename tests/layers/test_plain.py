@@ -24,6 +24,8 @@ from gpt2_max.testing.reference import hf_greedy, random_prompt
 from gpt2_max.weights.schema import CheckpointError
 from tests.test_model_config import max_config
 
+pytestmark = pytest.mark.tier("model")
+
 NEW_TOKENS = 8
 
 
@@ -49,6 +51,7 @@ def test_plain_layers_match_transformers(plain_model, hf_models):
         np.testing.assert_allclose(logits, hf_logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.tier("unit")
 def test_the_setting_picks_plain_layers_on_the_cpu(monkeypatch):
     cpu = max_config(devices=[DeviceRef.CPU()])
     assert type(layers_for(cpu)).__name__ == "FastLayers"
@@ -56,6 +59,7 @@ def test_the_setting_picks_plain_layers_on_the_cpu(monkeypatch):
     assert type(layers_for(cpu)) is Layers
 
 
+@pytest.mark.tier("unit")
 def test_a_gpu_always_gets_the_plain_layers():
     assert type(layers_for(max_config(devices=[DeviceRef.GPU()]))) is Layers
 
@@ -64,6 +68,7 @@ def as_torch(weight: WeightData) -> torch.Tensor:
     return torch.from_dlpack(weight.data)
 
 
+@pytest.mark.tier("unit")
 @pytest.mark.parametrize("graph", [DType.bfloat16, DType.float32])
 def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
     rng = np.random.default_rng(0)
@@ -87,6 +92,7 @@ def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
         assert torch.equal(as_torch(prepared[name]), tensor.to(target)), name
 
 
+@pytest.mark.tier("unit")
 def test_prepare_refuses_packed_blocks_naming_the_tensor():
     blocks = np.zeros((4, 144), dtype=np.uint8)
     packed = WeightData(

@@ -21,6 +21,8 @@ from gpt2_max.shims.fast_forward import FastForwardContext, only_allowed_token
 from gpt2_max.testing.reference import server_grammar_backend
 from gpt2_max.tokenizer import TOKENIZER_DIR
 
+pytestmark = pytest.mark.tier("unit")
+
 SCHEMA = {"const": "ok"}
 """Answered `"ok"`: after its closing quote only the end-of-text token is allowed."""
 TOKENIZER = AutoTokenizer.from_pretrained(TOKENIZER_DIR)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 
 import numpy as np
+import pytest
 from max.driver import CPU
 from max.experimental.tensor import Tensor
 from max.graph.ops import quantized as max_quantized
@@ -18,6 +19,8 @@ from max.pipelines.lib import generate as max_generate
 
 from gpt2_max import shims
 from gpt2_max.shims import internals
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def test_the_installed_max_is_a_release_the_shims_were_checked_against() -> None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
 from gpt2_max.model import GPT2PipelineModel
 from gpt2_max.shims.log_probabilities import LazyLogProbabilities
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def test_the_mixin_compiles_in_its_init_and_sets_only_the_device_and_the_model() -> None:

@@ -31,6 +31,8 @@ from max.pipelines.lib.pipeline_variants.utils import update_context_and_prepare
 
 from gpt2_max.shims.internals import run_again
 
+pytestmark = pytest.mark.tier("unit")
+
 PAGE = 4
 
 

@@ -3,12 +3,15 @@
 import asyncio
 import random
 
+import pytest
 from max.pipelines.context import GenerationStatus
 from max.serve.pipelines.llm import TokenGeneratorOutput
 
 from gpt2_max.shims.stop_strings import cut_at_stops, needed
 from gpt2_max.stop import StopScanner
 from gpt2_max.testing.reference import stopped_text
+
+pytestmark = pytest.mark.tier("unit")
 
 
 async def chunks_of(pieces: list[str], last: GenerationStatus, read: list[str]):

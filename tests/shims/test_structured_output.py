@@ -19,6 +19,8 @@ import gpt2_max.arch  # noqa: F401 - registers the architecture and installs the
 from gpt2_max.shims import structured_output
 from gpt2_max.tokenizer import TOKENIZER_DIR, copy_tokenizer
 
+pytestmark = pytest.mark.tier("unit")
+
 ORIGINAL = PipelineConfig.from_args.__wrapped__
 
 

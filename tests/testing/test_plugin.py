@@ -4,6 +4,8 @@ import pytest
 
 from gpt2_max.testing.load import GREEDY
 
+pytestmark = pytest.mark.tier("serve")
+
 
 def test_my_client_gets_the_exact_greedy_tokens(gpt2_max_server):
     prompt = [15496, 995, 11, 616, 1438, 318]

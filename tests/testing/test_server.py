@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from gpt2_max.testing import server
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def process_group(pgid: int) -> list[psutil.Process]:
@@ -42,6 +45,7 @@ def test_stop_process_group_ends_children_that_outlive_the_leader(monkeypatch):
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+@pytest.mark.tier("serve")
 def test_refusal_runs_from_a_venv_that_is_not_activated(gpt2_max_checkpoint, tmp_path):
     """The venv's interpreter, called by path as an IDE or a CI step does, after importing MAX.
 

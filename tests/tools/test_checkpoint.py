@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -15,6 +16,8 @@ from gpt2_max.tools.checkpoint import (
     random_hub_state_dict,
     write_checkpoint,
 )
+
+pytestmark = pytest.mark.tier("unit")
 
 
 def test_written_checkpoint_loads_in_transformers_with_every_weight(tmp_path):

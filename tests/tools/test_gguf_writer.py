@@ -26,6 +26,8 @@ from gpt2_max.tools.gguf_quants import quantize
 from gpt2_max.tools.gguf_writer import write_gguf
 from gpt2_max.weights.gguf_names import gguf_name
 
+pytestmark = pytest.mark.tier("unit")
+
 # K formats need rows of a multiple of 256 values.
 MASK = re.compile(r"h\.\d+\.attn\.bias")
 """The hub's causal-mask buffers, which GGUF files leave out."""

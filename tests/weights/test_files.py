@@ -7,6 +7,8 @@ import pytest
 from gpt2_max.testing.reference import write_tiny_checkpoint
 from gpt2_max.weights.files import IncompleteCheckpointError, check_complete
 
+pytestmark = pytest.mark.tier("unit")
+
 
 def test_complete_checkpoint_passes(tmp_path):
     check_complete(sorted(write_tiny_checkpoint(tmp_path).iterdir()))

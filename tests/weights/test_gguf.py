@@ -35,6 +35,8 @@ from gpt2_max.weights.gguf import convert_gguf_state_dict
 from gpt2_max.weights.gguf_names import gguf_name
 from gpt2_max.weights.schema import CheckpointError
 
+pytestmark = pytest.mark.tier("model")
+
 NEW_TOKENS = 32
 
 
@@ -192,6 +194,7 @@ def adapt(path: Path, config: GPT2Config = SMALL) -> dict[str, np.ndarray]:
     return converted
 
 
+@pytest.mark.tier("unit")
 def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, caplog):
     tensors = small_tensors("q4_k")
     state = random_hub_state_dict(SMALL, seed=2)
@@ -221,6 +224,7 @@ def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, capl
     assert np.from_dlpack(converted["wte.weight"]).dtype == np.float32
 
 
+@pytest.mark.tier("unit")
 def test_f16_matrices_stay_half_precision_the_rest_is_widened(tmp_path):
     tensors = small_tensors("f16")
     path = write_tensors(tmp_path / "m.gguf", SMALL, tensors, "f16", TOKENIZER_DIR)
@@ -240,6 +244,7 @@ def replace(tensors, name, data, qtype):
     return tensors
 
 
+@pytest.mark.tier("unit")
 @pytest.mark.parametrize(
     "edit, message",
     [
@@ -271,6 +276,7 @@ def test_broken_gguf_names_the_tensor(tmp_path, edit, message):
         adapt(path)
 
 
+@pytest.mark.tier("unit")
 def test_another_architecture_or_disagreeing_metadata_is_refused(tmp_path):
     tensors = small_tensors("f32")
     llama = write_tensors(tmp_path / "l.gguf", SMALL, tensors, "f32", TOKENIZER_DIR, "llama")
@@ -281,6 +287,7 @@ def test_another_architecture_or_disagreeing_metadata_is_refused(tmp_path):
         adapt(path, GPT2Config(**{**SMALL.to_dict(), "n_head": 8}))
 
 
+@pytest.mark.tier("unit")
 def test_companion_files_come_from_the_metadata(tmp_path):
     config = GPT2Config(**{**SMALL.to_dict(), "vocab_size": 50257, "tie_word_embeddings": False})
     write_gguf(tmp_path / "m.gguf", config, random_hub_state_dict(config), "q4_0", TOKENIZER_DIR)

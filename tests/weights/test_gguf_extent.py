@@ -15,6 +15,8 @@ from gpt2_max.tools.gguf_writer import write_gguf
 from gpt2_max.weights.files import IncompleteCheckpointError, check_complete
 from gpt2_max.weights.gguf_extent import tensor_extents
 
+pytestmark = pytest.mark.tier("unit")
+
 SMALL = GPT2Config(n_layer=2, n_embd=256, n_head=4, n_positions=8, vocab_size=512)
 
 

@@ -14,6 +14,8 @@ from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tools.checkpoint import random_hub_state_dict
 from gpt2_max.tools.gguf_writer import gguf_tensors, write_tensors
 
+pytestmark = pytest.mark.tier("serve")
+
 MAX_TOKENS = 24
 
 
@@ -64,7 +66,6 @@ def damage(folder, how: str) -> None:
     write_tensors(path, config, tensors, "f32", TOKENIZER_DIR, architecture)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "how, message",
     [

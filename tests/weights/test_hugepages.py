@@ -7,6 +7,8 @@ import pytest
 
 from gpt2_max.weights.hugepages import HUGE_PAGE, hugepage_array
 
+pytestmark = pytest.mark.tier("unit")
+
 
 @pytest.mark.parametrize("shape", [(3, 5), (1024, 769), (768, 3 * 768)])
 def test_copy_is_exact_contiguous_and_detached(shape):

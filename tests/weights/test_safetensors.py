@@ -24,6 +24,8 @@ from gpt2_max.testing.reference import (
 from gpt2_max.weights.safetensors import convert_safetensor_state_dict
 from gpt2_max.weights.schema import CheckpointError
 
+pytestmark = pytest.mark.tier("unit")
+
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
