@@ -46,8 +46,9 @@ def copy_core(destination: Path) -> Path:
 
 
 def spells_package(path: Path) -> list[str]:
-    """Imports of the original package in `path`, and strings in its code that name it; documentation (a
-    string standing as a statement: docstrings, attribute docstrings) aside."""
+    """Imports of the original package in `path`, and strings in its code that name
+    it; documentation (a string standing as a statement: docstrings, attribute
+    docstrings) aside."""
     tree = ast.parse(path.read_text())
     documentation = {
         id(node.value) for node in ast.walk(tree)
