@@ -1,0 +1,291 @@
+"""GPT-2 decode on one GPU beside its peers in the same run: tokens per second, the step,
+time to first token, start time and the share of the card's bandwidth a step reaches.
+
+    PYTHONPATH=. python benchmarks/bench_gpu.py                       # gpt2 shape, b1 and b64
+    PYTHONPATH=. python benchmarks/bench_gpu.py --dtypes bfloat16 --batch-sizes 1 --no-serve
+    PYTHONPATH=. python benchmarks/bench_gpu.py --device cpu --preset tiny --dtypes float32 \\
+        --batch-sizes 1,4 --new-tokens 8 --peers eager        # a smoke run of the script itself
+
+Engines, each on the same random-weight checkpoint and prompts (16 tokens, greedy,
+end of text ignored, `--new-tokens` new):
+
+- gpt2-max in-process (`AutoModel` through the plugin, MAX's own decode loop) at each
+  batch size and dtype; and, with `--serve`, one stream and `--batch-sizes`' largest
+  concurrent streams through `max serve` with no device or encoding flag (bfloat16
+  on a GPU), read with the benchmarks' lean client (`streams.py`);
+- transformers eager (`generate`, dynamic cache);
+- transformers with a static KV cache and its forward compiled by torch
+  (`torch.compile(mode="reduce-overhead")`: CUDA graphs), the strongest single-GPU
+  peer that runs without network (`--peers` picks them).
+
+A row's step is (time for all new tokens - time to first token) / (new tokens - 1);
+bytes per step are the weights (in the row's dtype) plus the KV cache a step reads
+at the mean context; the bandwidth row beside it is a device-to-device copy timed by
+torch in the same run (the peer that says what "at the card's bandwidth" means
+here). Start times are `max serve`'s to its first answer, cold (an empty MAX cache)
+and warm. Output: a table on stdout and `--out` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import streams
+import torch
+from max.pipelines import AutoModel
+from transformers import GPT2LMHeadModel
+
+from gpt2_max.names import PACKAGE
+from gpt2_max.testing.reference import random_prompt
+from gpt2_max.testing.server import max_serve
+from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
+
+TINY = dict(n_layer=2, n_embd=256, n_head=4)
+"""`--preset tiny`: a smoke-run shape with GPT-2's head size."""
+PROMPT_TOKENS = 16
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(run: Callable[[], object], repeat: int) -> float:
+    """The median wall time of `run` over `repeat` calls, after one untimed call (a
+    compiled peer compiles in it)."""
+    run()
+    times = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def row(first: float, whole: float, batch: int, new_tokens: int) -> dict[str, float]:
+    step = (whole - first) / (new_tokens - 1)
+    return {"ttft_s": first, "step_ms": 1e3 * step, "tok_s": batch / step}
+
+
+def gpt2_max_rows(
+    checkpoint: Path, device: str, dtype: str, batches: list[int], new: int, repeat: int
+) -> dict[int, dict]:
+    model = AutoModel(
+        str(checkpoint), devices=device, quantization_encoding=dtype,
+        max_batch_size=max(batches), custom_architectures=[PACKAGE],
+    )
+    rows = {}
+    try:
+        for batch in batches:
+            prompts = [random_prompt(PROMPT_TOKENS, seed=i) for i in range(batch)]
+
+            def run(n: int, prompts: list[list[int]] = prompts) -> Callable[[], object]:
+                return lambda: model.generate(
+                    prompts, max_new_tokens=n, top_k=1, ignore_eos=True
+                )
+
+            rows[batch] = row(timed(run(1), repeat), timed(run(new), repeat), batch, new)
+            rows[batch]["tokens"] = [
+                list(s[PROMPT_TOKENS:]) for s in model.generate(
+                    prompts, max_new_tokens=new, top_k=1, ignore_eos=True
+                ).sequences
+            ]
+    finally:
+        model.close()
+    return rows
+
+
+def transformers_rows(
+    checkpoint: Path, device: str, dtype: str, batches: list[int], new: int, repeat: int,
+    compiled: bool,
+) -> dict[int, dict]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = GPT2LMHeadModel.from_pretrained(checkpoint, torch_dtype=TORCH_DTYPES[dtype])
+    model = model.to(device).eval()
+    options: dict = {}
+    if compiled:
+        options = {"cache_implementation": "static"}
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    rows = {}
+    for batch in batches:
+        ids = torch.tensor(
+            [random_prompt(PROMPT_TOKENS, seed=i) for i in range(batch)], device=device
+        )
+
+        def run(n: int, ids: torch.Tensor = ids) -> Callable[[], object]:
+            def generate() -> torch.Tensor:
+                with torch.no_grad():
+                    return model.generate(
+                        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                        max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **options,
+                    )
+            return generate
+
+        rows[batch] = row(timed(run(1), repeat), timed(run(new), repeat), batch, new)
+        rows[batch]["tokens"] = run(new)()[:, PROMPT_TOKENS:].tolist()
+    return rows
+
+
+def copy_bandwidth_gbps(device: str, gigabytes: float = 1.0) -> float:
+    """Bytes read plus written per second by a device-to-device copy of `gigabytes`."""
+    src = torch.empty(int(gigabytes * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() / seconds / 1e9
+
+
+def bytes_per_step(config, dtype: str, batch: int, new: int) -> float:
+    """Weights plus the KV cache a decode step reads at the mean context."""
+    width = TORCH_DTYPES[dtype].itemsize
+    d, layers = config.n_embd, config.n_layer
+    params = (config.vocab_size + config.n_positions) * d + layers * 12 * d * d
+    context = PROMPT_TOKENS + new / 2
+    return width * (params + batch * context * 2 * layers * d)
+
+
+def served_rows(
+    checkpoint: Path, device: str, batches: list[int], new: int, scratch: Path,
+    starts: list[str],
+) -> dict:
+    """`max serve` with no device or encoding flag (the GPU's default, bfloat16 there):
+    start times (cold: an empty MAX cache of its own; warm: the cache a cold start
+    filled, else the user's), then one stream and the largest batch as concurrent
+    streams on the last start."""
+    cold_cache = {"MODULAR_CACHE_DIR": str(scratch / "max-cache")}
+    result: dict = {}
+    for start in starts:
+        began = time.perf_counter()
+        with max_serve(
+            checkpoint, "--max-batch-size", str(max(batches)), log=scratch / f"{start}.log",
+            devices=None if device != "cpu" else "cpu",
+            env=cold_cache if "cold" in starts else None,
+        ) as server:
+            result[f"start_{start}_s"] = time.perf_counter() - began
+            if start != starts[-1]:
+                continue
+            warm = asyncio.run(streams.gather(
+                streams.max_completion, server.url, [random_prompt(16, 999)], 8
+            ))
+            assert warm
+            for batch in sorted({1, max(batches)}):
+                prompts = [random_prompt(PROMPT_TOKENS, seed=100 + i) for i in range(batch)]
+                began = time.perf_counter()
+                out = asyncio.run(
+                    streams.gather(streams.max_completion, server.url, prompts, new)
+                )
+                wall = time.perf_counter() - began
+                first = statistics.median(r["arrivals"][0] for r in out)
+                result[f"serve_b{batch}"] = {
+                    "tok_s": batch * new / wall, "ttft_s": first,
+                    "step_ms": 1e3 * statistics.median(
+                        (r["arrivals"][-1] - r["arrivals"][0]) / (new - 1) for r in out
+                    ),
+                }
+    return result
+
+
+def same_tokens(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+
+
+def device_name(device: str) -> str:
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    from bench_start import cpu_model
+
+    return cpu_model()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2", help="a GPT-2 shape, or 'tiny'")
+    parser.add_argument("--device", default="gpu", help="MAX's device: gpu, gpu:N or cpu")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--peers", default="eager,compiled", help="transformers peers")
+    parser.add_argument("--no-serve", action="store_true", help="skip the max serve rows")
+    parser.add_argument("--starts", default="cold,warm", help="max serve starts to time")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    torch_device = "cpu" if args.device == "cpu" else f"cuda:{args.device.partition(':')[2] or 0}"
+    config = (
+        preset_config("gpt2", **TINY) if args.preset == "tiny" else preset_config(args.preset)
+    )
+    peers = [p for p in args.peers.split(",") if p]
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        checkpoint = write_checkpoint(scratch / "checkpoint", config, seed=0, std=0.2)
+        result: dict = {
+            "device": device_name(args.device), "preset": args.preset, "batches": batches,
+            "new_tokens": args.new_tokens, "rows": {},
+            "copy_gbps": copy_bandwidth_gbps(torch_device) if torch_device != "cpu" else None,
+        }
+        for dtype in args.dtypes.split(","):
+            engines = {"gpt2-max": gpt2_max_rows(
+                checkpoint, args.device, dtype, batches, args.new_tokens, args.repeat
+            )}
+            for peer in peers:
+                engines[f"transformers {peer}"] = transformers_rows(
+                    checkpoint, torch_device, dtype, batches, args.new_tokens, args.repeat,
+                    compiled=peer == "compiled",
+                )
+            for batch in batches:
+                ours = engines["gpt2-max"][batch]
+                ours["bytes_per_step"] = bytes_per_step(config, dtype, batch, args.new_tokens)
+                ours["gbps"] = ours["bytes_per_step"] / (ours["step_ms"] / 1e3) / 1e9
+                for name, rows in engines.items():
+                    if name != "gpt2-max":
+                        rows[batch]["same_tokens_as_gpt2_max"] = same_tokens(
+                            rows[batch]["tokens"], ours["tokens"]
+                        )
+            result["rows"][dtype] = {
+                name: {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in rows.items()}
+                for name, rows in engines.items()
+            }
+        if not args.no_serve:
+            result["serve"] = served_rows(
+                checkpoint, args.device, batches, args.new_tokens, scratch,
+                args.starts.split(","),
+            )
+    print_report(result)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def print_report(result: dict) -> None:
+    print(f"device: {result['device']}; preset {result['preset']}; {PROMPT_TOKENS}-token "
+          f"prompts, {result['new_tokens']} new tokens, greedy")
+    if result["copy_gbps"]:
+        print(f"device-to-device copy, same run: {result['copy_gbps']:.0f} GB/s")
+    print(f"| dtype | engine | batch | tok/s | step ms | TTFT ms | gpt2-max / this | "
+          f"GB/s (share of copy) | same tokens |\n|{' --- |' * 9}")
+    for dtype, engines in result["rows"].items():
+        for batch in result["batches"]:
+            ours = engines["gpt2-max"][batch]
+            for name, rows in engines.items():
+                r = rows[batch]
+                share = (f"{r['gbps']:.0f} ({r['gbps'] / result['copy_gbps']:.0%})"
+                         if "gbps" in r and result["copy_gbps"] else "")
+                print(f"| {dtype} | {name} | {batch} | {r['tok_s']:.0f} | {r['step_ms']:.3f} | "
+                      f"{1e3 * r['ttft_s']:.1f} | {ours['tok_s'] / r['tok_s']:.2f}x | {share} | "
+                      f"{r.get('same_tokens_as_gpt2_max', '')} |")
+    for name, value in result.get("serve", {}).items():
+        print(f"max serve {name}: {np.round(value, 3) if isinstance(value, float) else value}")
+
+
+if __name__ == "__main__":
+    main()
