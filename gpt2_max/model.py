@@ -60,9 +60,10 @@ class GPT2PipelineModel(
 ):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching.
 
-    The three hooks below are what MAX asks of a ModuleV3 architecture; the bases
-    before MAX's add the package's speed policy (`cpu_runtime`) and log-probabilities
-    compiled on first use (`shims.log_probabilities`), each droppable on its own.
+    `_create_model_config`, `_prepare_state_dict` and `_instantiate_module` are what
+    MAX asks of a ModuleV3 architecture. The bases before MAX's add the package's
+    speed policy (`cpu_runtime`) and log-probabilities compiled on first use
+    (`shims.log_probabilities`); either can be dropped on its own.
     """
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
