@@ -51,6 +51,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def path_with_this_interpreter(path: str | None = None) -> str:
+    """`path` (default: `PATH`) with this interpreter's folder first, as activating its
+    venv would put it.
+
+    MAX's Mojo interop, started by importing MAX, records the first `python3` on
+    `PATH` as the interpreter of the processes it starts (`PYTHONEXECUTABLE`): a
+    `max serve`'s workers and the compile pool of an in-process model. Where that
+    `python3` is another installation than the venv's (a venv not activated, from a
+    shell whose `python3` is the system's), they start with the venv's binary and
+    the other installation's standard library, and die at their first import.
+    """
+    folder = str(Path(sys.executable).parent)
+    entries = (os.environ.get("PATH", "") if path is None else path).split(os.pathsep)
+    return os.pathsep.join([folder, *(e for e in entries if e and e != folder)])
+
+
 def child_env(**overrides: str) -> dict[str, str]:
     """The environment every process this harness starts gets, passed explicitly.
 
@@ -58,11 +74,12 @@ def child_env(**overrides: str) -> dict[str, str]:
     prepends `:` to `PYTHONPATH` in the C-level environment, where `os.environ`
     does not see them; a child started without `env=` inherits them, and the venv's
     interpreter then starts outside its venv unless the venv was activated. So each
-    child gets `os.environ` as Python sees it, without `PYTHONEXECUTABLE`, plus
+    child gets `os.environ` as Python sees it, without `PYTHONEXECUTABLE`, with this
+    interpreter's folder first on `PATH` (`path_with_this_interpreter`), plus
     `overrides`.
     """
     env = {key: value for key, value in os.environ.items() if key != "PYTHONEXECUTABLE"}
-    return {**env, **overrides}
+    return {**env, "PATH": path_with_this_interpreter(), **overrides}
 
 
 def serve_command(

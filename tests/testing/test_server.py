@@ -135,3 +135,15 @@ def test_every_process_the_tests_benchmarks_and_harness_start_gets_child_env():
     ]
     assert {"bench_step.py", "server.py", "test_layout.py"} <= {p.name for p in scanned}
     assert [hit for path in scanned for hit in spawns_without_child_env(path)] == []
+
+
+def test_children_find_this_interpreter_first_on_path():
+    """MAX's interop records the first `python3` on `PATH` for the processes it starts
+    (`path_with_this_interpreter`); a child's `PATH` leads with this interpreter's folder."""
+    folder = str(Path(sys.executable).parent)
+    path = server.child_env(PATH=os.pathsep.join(["/usr/bin", folder, "/bin"]))["PATH"]
+    assert path == os.pathsep.join(["/usr/bin", folder, "/bin"])  # an explicit override wins
+    assert server.path_with_this_interpreter("/usr/bin:/bin").split(os.pathsep) == [
+        folder, "/usr/bin", "/bin"
+    ]
+    assert server.child_env()["PATH"].split(os.pathsep)[0] == folder
