@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import streams
 import torch
 from max.pipelines import AutoModel
@@ -284,7 +283,11 @@ def print_report(result: dict) -> None:
                       f"{1e3 * r['ttft_s']:.1f} | {ours['tok_s'] / r['tok_s']:.2f}x | {share} | "
                       f"{r.get('same_tokens_as_gpt2_max', '')} |")
     for name, value in result.get("serve", {}).items():
-        print(f"max serve {name}: {np.round(value, 3) if isinstance(value, float) else value}")
+        if name.startswith("start_"):
+            print(f"max serve, {name[6:-2]} start: {value:.1f} s to the first answer")
+        else:
+            print(f"max serve, {name[6:]} concurrent streams: {value['tok_s']:.0f} tok/s, "
+                  f"TTFT {1e3 * value['ttft_s']:.1f} ms, step {value['step_ms']:.3f} ms")
 
 
 if __name__ == "__main__":
