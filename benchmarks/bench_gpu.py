@@ -10,13 +10,14 @@ Engines, each on the same random-weight checkpoint and prompts (16 tokens, greed
 end of text ignored, `--new-tokens` new):
 
 - gpt2-max in-process (`AutoModel` through the plugin, MAX's own decode loop) at each
-  batch size and dtype; and, with `--serve`, one stream and `--batch-sizes`' largest
-  concurrent streams through `max serve` with no device or encoding flag (bfloat16
-  on a GPU), read with the benchmarks' lean client (`streams.py`);
+  batch size and dtype; and, unless `--no-serve`, one stream and `--batch-sizes`'
+  largest concurrent streams through `max serve` (bfloat16 on a GPU), read with the
+  benchmarks' lean client (`streams.py`);
 - transformers eager (`generate`, dynamic cache);
-- transformers with a static KV cache and its forward compiled by torch
-  (`torch.compile(mode="reduce-overhead")`: CUDA graphs), the strongest single-GPU
-  peer that runs without network (`--peers` picks them).
+- transformers with a static KV cache (`cache_implementation="static"`), whose
+  decode step `generate` compiles with torch on a GPU (`torch.compile`, CUDA graphs;
+  transformers' own `compile_config`), the strongest single-GPU peer that runs
+  without network (`--peers` picks them).
 
 A row's step is (time for all new tokens - time to first token) / (new tokens - 1);
 bytes per step are the weights (in the row's dtype) plus the KV cache a step reads
@@ -43,12 +44,10 @@ from max.pipelines import AutoModel
 from transformers import GPT2LMHeadModel
 
 from gpt2_max.names import PACKAGE
-from gpt2_max.testing.reference import random_prompt
+from gpt2_max.testing.reference import TINY_HEAD64, random_prompt, random_state_dict
 from gpt2_max.testing.server import max_serve
-from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
+from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 
-TINY = dict(n_layer=2, n_embd=256, n_head=4)
-"""`--preset tiny`: a smoke-run shape with GPT-2's head size."""
 PROMPT_TOKENS = 16
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -110,12 +109,10 @@ def transformers_rows(
     compiled: bool,
 ) -> dict[int, dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = GPT2LMHeadModel.from_pretrained(checkpoint, torch_dtype=TORCH_DTYPES[dtype])
+    model = GPT2LMHeadModel.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype])
     model = model.to(device).eval()
-    options: dict = {}
-    if compiled:
-        options = {"cache_implementation": "static"}
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # With a static cache `generate` compiles its decode step itself (on a GPU).
+    options = {"cache_implementation": "static"} if compiled else {}
     rows = {}
     for batch in batches:
         ids = torch.tensor(
@@ -162,12 +159,13 @@ def served_rows(
     filled, else the user's), then one stream and the largest batch as concurrent
     streams on the last start."""
     cold_cache = {"MODULAR_CACHE_DIR": str(scratch / "max-cache")}
+    starts = [start for start in ("cold", "warm") if start in starts]  # cold fills, warm reuses
     result: dict = {}
     for start in starts:
         began = time.perf_counter()
         with max_serve(
             checkpoint, "--max-batch-size", str(max(batches)), log=scratch / f"{start}.log",
-            devices=None if device != "cpu" else "cpu",
+            devices=None if device == "gpu" else device,  # "gpu": MAX's own pick
             env=cold_cache if "cold" in starts else None,
         ) as server:
             result[f"start_{start}_s"] = time.perf_counter() - began
@@ -221,13 +219,14 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     torch_device = "cpu" if args.device == "cpu" else f"cuda:{args.device.partition(':')[2] or 0}"
-    config = (
-        preset_config("gpt2", **TINY) if args.preset == "tiny" else preset_config(args.preset)
+    config = (  # `tiny`: a smoke-run shape with GPT-2's head size
+        preset_config("gpt2", **TINY_HEAD64) if args.preset == "tiny"
+        else preset_config(args.preset)
     )
     peers = [p for p in args.peers.split(",") if p]
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
-        checkpoint = write_checkpoint(scratch / "checkpoint", config, seed=0, std=0.2)
+        checkpoint = save_hub_checkpoint(scratch / "checkpoint", config, random_state_dict(config))
         result: dict = {
             "device": device_name(args.device), "preset": args.preset, "batches": batches,
             "new_tokens": args.new_tokens, "rows": {},

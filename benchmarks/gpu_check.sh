@@ -13,7 +13,7 @@ export MODULAR_TELEMETRY_ENABLED=${MODULAR_TELEMETRY_ENABLED:-0} MAX_SERVE_DISAB
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
 if [ "$what" != bench ]; then
   start=$SECONDS
-  python3 -m pytest -p gpt2_max.testing.plugin -m gpu tests/gpu -q -rA --durations=0 \
+  python3 -m pytest -m gpu tests/gpu -q -rA --durations=0 \
     --junitxml="$out/gpu-tier.xml" -o junit_logging=all >"$out/gpu-tier.log" 2>&1
   echo "gpu tier: rc=$? in $((SECONDS - start)) s" | tee -a "$out/gpu-tier.log"
 fi

@@ -17,9 +17,9 @@ class Encoding:
     flag: bool
     """A `--quantization-encoding` value the architecture supports."""
     packed: bool = False
-    """GGUF blocks kept packed in memory and multiplied as blocks (CPU only)."""
-    max_kernel: bool = False
-    """MAX's CPU `qmatmul` multiplies it (else the package's kernel does)."""
+    """GGUF blocks kept packed in memory and multiplied as blocks (CPU only): by MAX's
+    CPU `qmatmul` where `flag` (MAX names exactly the block types it multiplies), else
+    by the package's kernel."""
     kernel_type: int | None = None
     """The GGML type id the package's packed kernel is specialised on
     (`kernels/mojo/kquant.mojo`), where it decodes the type."""
@@ -30,9 +30,9 @@ ENCODINGS: dict[str, Encoding] = {
     "float32": Encoding(flag=True),
     # MAX's default on a GPU (it casts a float32 default there); GPU only.
     "bfloat16": Encoding(flag=True),
-    "q4_0": Encoding(flag=True, packed=True, max_kernel=True, kernel_type=2),
-    "q4_k": Encoding(flag=True, packed=True, max_kernel=True, kernel_type=12),
-    "q6_k": Encoding(flag=True, packed=True, max_kernel=True, kernel_type=14),
+    "q4_0": Encoding(flag=True, packed=True, kernel_type=2),
+    "q4_k": Encoding(flag=True, packed=True, kernel_type=12),
+    "q6_k": Encoding(flag=True, packed=True, kernel_type=14),
     # No `--quantization-encoding` value of MAX's; kept packed inside a GGUF.
     "q5_k": Encoding(flag=False, packed=True, kernel_type=13),
     # The kernel decodes it, but MAX's GGUF reader and `QuantizationEncoding` have
@@ -50,7 +50,7 @@ activations stay float32 (the encoding's own dtype, uint8, is its packing)."""
 KEPT_PACKED = frozenset(name for name, e in ENCODINGS.items() if e.packed)
 """Block types whose matmul weights stay packed when a GGUF holds them."""
 
-MAX_KERNEL_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.max_kernel)
+MAX_KERNEL_ENCODINGS = PACKED_ENCODINGS
 """Block types MAX's `qmatmul` multiplies; the other packed ones go through the package's."""
 
 KERNEL_TYPES = {name: e.kernel_type for name, e in ENCODINGS.items() if e.kernel_type is not None}

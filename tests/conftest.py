@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (reported as such), not collected as skips."""
     for item in items:
         tier = item.get_closest_marker("tier")
-        if tier is None or tier.args[0] not in TIERS:
+        if tier is None or tier.args[:1] not in [(name,) for name in TIERS]:
             raise pytest.UsageError(f"{item.nodeid}: give it a tier, one of {TIERS}")
         item.add_marker(tier.args[0])
     if accelerator_count() > 0:

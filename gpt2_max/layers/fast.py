@@ -42,9 +42,7 @@ class FastLayers(Layers):
         self, q: Tensor, input_row_offsets: Tensor, kv_collection: PagedCacheValues,
         layer_idx: Tensor, scale: float,
     ) -> Tensor:
-        """The package's op over the paged cache on the CPU (it has no GPU kernel)."""
-        if not self.config.devices[0].is_cpu():
-            return super().attention(q, input_row_offsets, kv_collection, layer_idx, scale)
+        """The package's op over the paged cache (CPU only, as the fast layers are)."""
         return kernels.paged_attention(q, input_row_offsets, kv_collection, layer_idx, scale)
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -27,14 +27,11 @@ from .. import kernels
 
 
 def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`x @ weight.T (+ bias)` for `weight` in `[out, in]` layout: this package's op on
-    the CPU in float32, MAX's matmul elsewhere."""
-    if x.dtype == DType.float32 and x.device.is_host:
-        if bias is None:
-            return kernels.skinny_matmul(x, weight)
-        return kernels.skinny_linear(x, weight, bias)
-    y = x @ (weight if weight.dtype == x.dtype else weight.cast(x.dtype)).T
-    return y if bias is None else y + bias
+    """`x @ weight.T (+ bias)` for `weight` in `[out, in]` layout, `x` float32 on the
+    CPU (where the fast layers run), through this package's op."""
+    if bias is None:
+        return kernels.skinny_matmul(x, weight)
+    return kernels.skinny_linear(x, weight, bias)
 
 
 class SkinnyLinear(Linear):

@@ -35,6 +35,9 @@ from gpt2_max.weights.schema import is_projection_weight
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)
 """A GPT-2 small enough to compile and run quickly, with the real vocabulary."""
 
+TINY_HEAD64 = dict(TINY, n_embd=256)
+"""`TINY` with GPT-2's head size (64), the shape GPU attention kernels are built for."""
+
 REFERENCE_STD = 0.2
 """Weight spread large enough that logits are spread out and greedy choices are
 not near-ties, so token-for-token comparisons are meaningful."""
@@ -225,11 +228,22 @@ def hf_logprobs(
 ) -> np.ndarray:
     """transformers' log-probabilities at every position of `tokens` in one forward pass
     (row `i` is the distribution of token `i + 1`), over `sampleable(model)` ids, with
-    the model cast to `dtype` on `device` and TF32 off, so float32 is float32.
-    `[len(tokens), sampleable(model)]`, float64."""
+    the model cast to `dtype` on `device` (a copy, made once) and TF32 off for the
+    call, so float32 is float32. `[len(tokens), sampleable(model)]`, float64."""
+    key = (id(model), dtype, device)
+    if key not in _CASTS:
+        _CASTS[key] = (model, copy.deepcopy(model).to(device=device, dtype=dtype))
+    cast = _CASTS[key][1]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    cast = copy.deepcopy(model).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        logits = cast(torch.tensor([tokens], device=device)).logits[0, :, : sampleable(model)]
+    try:
+        with torch.no_grad():
+            logits = cast(torch.tensor([tokens], device=device)).logits[0, :, : sampleable(model)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return torch.log_softmax(logits.double(), dim=-1).cpu().numpy()
+
+
+_CASTS: dict[tuple[int, torch.dtype, str], tuple[GPT2LMHeadModel, GPT2LMHeadModel]] = {}
+"""`hf_logprobs`' copies of a model by (its id, dtype, device), each kept with the
+model it copies so that the id is not reused."""

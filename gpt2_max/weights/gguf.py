@@ -154,14 +154,15 @@ def convert_gguf_state_dict(
     check_metadata(metadata(reader), huggingface_config)
     tensors = {t.name: t for t in reader.tensors}
     found = (
-        (key, hub_name(key) or key, tuple(int(d) for d in reversed(tensors[key].shape.tolist())))
+        (key, hub_name(key), tuple(int(d) for d in reversed(tensors[key].shape.tolist())))
         for key in state_dict
     )
     tied_head = ties_word_embeddings(huggingface_config)
     converted: dict[str, WeightData] = {}
     dequantized: list[str] = []
     for key, name in match_tensors(
-        found, huggingface_config, source="GGUF", foreign="llama.cpp GPT-2 tensor"
+        found, huggingface_config, hub_layout=False, source="GGUF",
+        foreign="llama.cpp GPT-2 tensor",
     ):
         tensor = tensors[key]
         qtype = tensor.tensor_type

@@ -49,8 +49,3 @@ class WeightPlan:
     def dtype(self, name: str) -> DType:
         """The dtype float parameter `name` is held in: float32 unless listed."""
         return self.dtypes.get(name, DType.float32)
-
-    @property
-    def is_plain(self) -> bool:
-        """Every parameter is float32."""
-        return not self.packed and not self.dtypes

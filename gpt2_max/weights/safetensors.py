@@ -45,12 +45,6 @@ def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
     return WeightData.from_numpy(hugepage_array(array.T if transpose else array), name)
 
 
-def _parameter(key: str) -> str | None:
-    """The parameter a hub or transformers key names; None for a causal-mask buffer."""
-    name = key.removeprefix("transformer.")
-    return None if CAUSAL_MASK_BUFFERS.fullmatch(name) else name
-
-
 def convert_safetensor_state_dict(
     state_dict: dict[str, Weights], huggingface_config: Any, **unused_kwargs: Any
 ) -> dict[str, WeightData]:
@@ -59,11 +53,18 @@ def convert_safetensor_state_dict(
     Raises:
         CheckpointError: a tensor is missing, unexpected, or of the wrong shape.
     """
-    data = {key: weights.data() for key, weights in state_dict.items()}
-    found = [(key, _parameter(key), tuple(int(d) for d in w.shape)) for key, w in data.items()]
+    data = {
+        key: weights.data() for key, weights in state_dict.items()
+        if not CAUSAL_MASK_BUFFERS.fullmatch(key.removeprefix("transformer."))
+    }
+    found = [
+        (key, key.removeprefix("transformer."), tuple(int(d) for d in weight.shape))
+        for key, weight in data.items()
+    ]
     return {
         name: _as_float32(name, data[key], transpose=is_projection_weight(name))
         for key, name in match_tensors(
-            found, huggingface_config, source="checkpoint", foreign="GPT2LMHeadModel parameter"
+            found, huggingface_config, hub_layout=True, source="checkpoint",
+            foreign="GPT2LMHeadModel parameter",
         )
     }

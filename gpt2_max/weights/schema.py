@@ -85,6 +85,7 @@ def match_tensors(
     found: Iterable[tuple[str, str | None, tuple[int, ...]]],
     hf_config: Any,
     *,
+    hub_layout: bool,
     source: str,
     foreign: str,
 ) -> list[tuple[str, str]]:
@@ -92,10 +93,10 @@ def match_tensors(
     load, as which parameter.
 
     `found` holds each tensor's key in the file, the parameter name it maps to
-    (None for a key the format ignores) and its shape as the file stores it. A
-    tied head saved anyway is dropped (it is `wte.weight` again); every other
-    tensor must be a parameter of the config's shape (`hub_shape` for a hub file:
-    `source="checkpoint"`), and none may be missing.
+    (None for a key that names none) and its shape as the file stores it
+    (`hub_shape`'s where `hub_layout`). A tied head saved anyway is dropped (it is
+    `wte.weight` again); every other tensor must be a parameter of the config's
+    shape, and none may be missing. `source` names the file in errors.
 
     Returns:
         (key, parameter name) of each tensor to load, in file order.
@@ -107,11 +108,11 @@ def match_tensors(
     expected = expected_shapes(hf_config)
     matched = []
     for key, name, shape in found:
-        if name is None or (name == "lm_head.weight" and name not in expected):
+        if name == "lm_head.weight" and name not in expected:
             continue
         if name not in expected:
             raise CheckpointError(f"unexpected tensor {key!r}: not a {foreign}.")
-        stored = hub_shape(name, expected[name]) if source == "checkpoint" else expected[name]
+        stored = hub_shape(name, expected[name]) if hub_layout else expected[name]
         if shape != stored:
             raise CheckpointError(
                 f"tensor {key!r} has shape {shape}; the config implies {stored}."

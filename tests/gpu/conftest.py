@@ -5,8 +5,8 @@ sees no accelerator, so a CPU run reports it as deselected, never as skipped.
 Run it on a GPU machine with `python -m pytest -m gpu`.
 
 The checkpoints are the suite's own random ones (`write_tiny_checkpoint`) with a
-head size of 64, every GPT-2's, so MAX's GPU attention kernels run at the shape
-they serve. The reference's weight spread (`REFERENCE_STD`) gives most greedy
+head size of 64, every GPT-2's (`TINY_HEAD64`), so MAX's GPU attention kernels run
+at the shape they serve. The reference's weight spread (`REFERENCE_STD`) gives most greedy
 steps a top-2 margin well above bfloat16's noise; the parity tests check that it
 does, so a comparison is never a coin toss.
 """
@@ -20,15 +20,12 @@ import pytest
 from max.pipelines import AutoModel
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.testing.reference import load_reference, write_tiny_checkpoint
-
-GPU_SHAPE = dict(n_layer=2, n_embd=256, n_head=4)
-"""TINY's depth with GPT-2's head size (64)."""
+from gpt2_max.testing.reference import TINY_HEAD64, load_reference, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-checkpoint"), seed=3, **GPU_SHAPE)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-checkpoint"), seed=3, **TINY_HEAD64)
 
 
 @pytest.fixture(scope="session")

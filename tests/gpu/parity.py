@@ -28,16 +28,16 @@ def top2_margins(logprobs: np.ndarray) -> np.ndarray:
     return top2[:, 1] - top2[:, 0]
 
 
-def clear_steps(reference, prompt: list[int], tokens: list[int], margin: float) -> tuple[int, int]:
-    """How many steps transformers called by more than `margin`, and at how many of
-    those `tokens` holds another token than transformers' choice."""
-    rows = reference_rows(reference, prompt, tokens)
+def clear_steps(rows: np.ndarray, tokens: list[int], margin: float) -> tuple[int, int]:
+    """Of the steps transformers' `rows` (`reference_rows`) call by more than `margin`,
+    how many there are, and at how many `tokens` holds another token than theirs."""
     clear = top2_margins(rows) > margin
     differ = np.array(tokens) != rows.argmax(-1)
     return int(clear.sum()), int((clear & differ).sum())
 
 
 def assert_clear_tokens_match(reference, prompt, tokens, margin: float = BFLOAT16_MARGIN) -> None:
-    clear, differing = clear_steps(reference, prompt, list(tokens), margin)
+    tokens = list(tokens)
+    clear, differing = clear_steps(reference_rows(reference, prompt, tokens), tokens, margin)
     assert clear >= len(tokens) // 2, f"only {clear} of {len(tokens)} steps are clear choices"
     assert differing == 0, f"{differing} of {clear} clear steps chose another token"

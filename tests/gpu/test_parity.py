@@ -15,7 +15,7 @@ import torch
 
 from gpt2_max.testing.reference import random_prompt
 
-from .parity import BFLOAT16_MARGIN, reference_rows, top2_margins
+from .parity import BFLOAT16_MARGIN, clear_steps, reference_rows
 
 pytestmark = pytest.mark.tier("gpu")
 
@@ -49,13 +49,11 @@ def compare(model, reference, encoding: str, record) -> dict[str, float]:
     for prompt, (tokens, logprobs) in zip(PROMPTS, greedy_logprobs(model, PROMPTS), strict=True):
         fp32 = reference_rows(reference, prompt, tokens)
         bf16 = reference_rows(reference, prompt, tokens, torch.bfloat16)
-        margins = top2_margins(fp32)
-        for step, token in enumerate(tokens):
-            if margins[step] > margin_floor:
-                clear += 1
-                disagree_clear += int(token != int(fp32[step].argmax()))
-            ours.append(abs(logprobs[step, token] - fp32[step, token]))
-            theirs_bf16.append(abs(bf16[step, token] - fp32[step, token]))
+        clear_here, differing = clear_steps(fp32, tokens, margin_floor)
+        clear, disagree_clear = clear + clear_here, disagree_clear + differing
+        chosen = np.arange(len(tokens)), tokens
+        ours += list(np.abs(logprobs[chosen] - fp32[chosen]))
+        theirs_bf16 += list(np.abs(bf16[chosen] - fp32[chosen]))
         steps += len(tokens)
     figures = {
         "steps": steps,
