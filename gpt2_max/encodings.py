@@ -44,14 +44,13 @@ SUPPORTED_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.flag)
 """The architecture's `supported_encodings`."""
 
 PACKED_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.flag and e.packed)
-"""The block encodings `--quantization-encoding` names: under them the graph's
-activations stay float32 (the encoding's own dtype, uint8, is its packing)."""
+"""The block encodings `--quantization-encoding` names, which are the ones MAX's CPU
+`qmatmul` multiplies (the other packed types go through the package's kernel); under
+them the graph's activations stay float32 (the encoding's own dtype, uint8, is its
+packing)."""
 
 KEPT_PACKED = frozenset(name for name, e in ENCODINGS.items() if e.packed)
 """Block types whose matmul weights stay packed when a GGUF holds them."""
-
-MAX_KERNEL_ENCODINGS = PACKED_ENCODINGS
-"""Block types MAX's `qmatmul` multiplies; the other packed ones go through the package's."""
 
 KERNEL_TYPES = {name: e.kernel_type for name, e in ENCODINGS.items() if e.kernel_type is not None}
 """Block types the package's packed kernel decodes, with the GGML type id it is specialised on."""

@@ -32,7 +32,7 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
 from .. import kernels
-from ..encodings import MAX_KERNEL_ENCODINGS
+from ..encodings import PACKED_ENCODINGS
 from ..names import PACKAGE
 from ..shims.internals import quantized_matmul_op, quantized_repack_op
 from ..weights.hugepages import hugepage_array
@@ -44,15 +44,16 @@ all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
 
 
 def has_max_kernel(encoding: QuantizationEncoding) -> bool:
-    """Whether MAX's CPU `qmatmul` multiplies `encoding`; the rest go through the
-    package's kernel (`encodings.ENCODINGS`).
+    """Whether MAX's CPU `qmatmul` multiplies `encoding` (`encodings.PACKED_ENCODINGS`);
+    the rest go through the package's kernel.
 
-    Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps about
-as fast (`benchmarks/bench_packed.py`): a weight's kernel serves every step size, and
-the package's prefill (each weight row decoded again per tile of input rows, so that
-every row count runs one arithmetic) is several times slower than `qmatmul`'s.
+    Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps
+    about as fast (`benchmarks/bench_packed.py`): a weight's kernel serves every step
+    size, and the package's prefill (each weight row decoded again per tile of input
+    rows, so that every row count runs one arithmetic) is several times slower than
+    `qmatmul`'s.
     """
-    return encoding.name.lower() in MAX_KERNEL_ENCODINGS
+    return encoding.name.lower() in PACKED_ENCODINGS
 
 
 def padded_rows(rows: int) -> int:
