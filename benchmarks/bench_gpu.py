@@ -77,11 +77,16 @@ def row(first: float, whole: float, batch: int, new_tokens: int) -> dict[str, fl
 
 
 def gpt2_max_rows(
-    checkpoint: Path, device: str, dtype: str, batches: list[int], new: int, repeat: int
+    checkpoint: Path, device: str, dtype: str, batches: list[int], new: int, repeat: int,
+    capture: bool = False,
 ) -> dict[int, dict]:
+    """`capture`: MAX's device graph capture (`device_graph_capture=True`, the flag
+    `--device-graph-capture` sets), which the architecture does not declare yet."""
     model = AutoModel(
         str(checkpoint), devices=device, quantization_encoding=dtype,
         max_batch_size=max(batches), custom_architectures=[PACKAGE],
+        device_graph_capture=capture,
+        device_memory_utilization=0.3,  # the peers and the served rows share the card
     )
     rows = {}
     try:
@@ -192,6 +197,13 @@ def served_rows(
     return result
 
 
+def progress(dtype: str, engine: str, rows: dict[int, dict]) -> None:
+    """One line per batch size as soon as an engine is measured (a run cut short keeps it)."""
+    for batch, r in rows.items():
+        print(f"{dtype} {engine} b{batch}: {r['tok_s']:.0f} tok/s, step {r['step_ms']:.3f} ms, "
+              f"TTFT {1e3 * r['ttft_s']:.1f} ms", flush=True)
+
+
 def same_tokens(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
 
@@ -213,6 +225,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--peers", default="eager,compiled", help="transformers peers")
+    parser.add_argument("--capture", action="store_true",
+                        help="also gpt2-max with MAX's device graph capture")
     parser.add_argument("--no-serve", action="store_true", help="skip the max serve rows")
     parser.add_argument("--starts", default="cold,warm", help="max serve starts to time")
     parser.add_argument("--out", type=Path, help="also write the results as JSON")
@@ -236,32 +250,47 @@ def main() -> None:
             engines = {"gpt2-max": gpt2_max_rows(
                 checkpoint, args.device, dtype, batches, args.new_tokens, args.repeat
             )}
+            progress(dtype, "gpt2-max", engines["gpt2-max"])
+            if args.capture:
+                engines["gpt2-max captured"] = gpt2_max_rows(
+                    checkpoint, args.device, dtype, batches, args.new_tokens, args.repeat,
+                    capture=True,
+                )
+                progress(dtype, "gpt2-max captured", engines["gpt2-max captured"])
             for peer in peers:
                 engines[f"transformers {peer}"] = transformers_rows(
                     checkpoint, torch_device, dtype, batches, args.new_tokens, args.repeat,
                     compiled=peer == "compiled",
                 )
+                progress(dtype, f"transformers {peer}", engines[f"transformers {peer}"])
             for batch in batches:
                 ours = engines["gpt2-max"][batch]
-                ours["bytes_per_step"] = bytes_per_step(config, dtype, batch, args.new_tokens)
-                ours["gbps"] = ours["bytes_per_step"] / (ours["step_ms"] / 1e3) / 1e9
+                step_bytes = bytes_per_step(config, dtype, batch, args.new_tokens)
                 for name, rows in engines.items():
+                    r = rows[batch]
+                    r["bytes_per_step"] = step_bytes
+                    r["gbps"] = step_bytes / (r["step_ms"] / 1e3) / 1e9
                     if name != "gpt2-max":
-                        rows[batch]["same_tokens_as_gpt2_max"] = same_tokens(
-                            rows[batch]["tokens"], ours["tokens"]
-                        )
+                        r["same_tokens_as_gpt2_max"] = same_tokens(r["tokens"], ours["tokens"])
             result["rows"][dtype] = {
                 name: {b: {k: v for k, v in r.items() if k != "tokens"} for b, r in rows.items()}
                 for name, rows in engines.items()
             }
+            save(result, args.out)  # a run cut short keeps what it measured
         if not args.no_serve:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the server's KV cache is sized from free memory
             result["serve"] = served_rows(
                 checkpoint, args.device, batches, args.new_tokens, scratch,
                 args.starts.split(","),
             )
+            save(result, args.out)
     print_report(result)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def save(result: dict, out: Path | None) -> None:
+    if out:
+        out.write_text(json.dumps(result, indent=1, default=str))
 
 
 def print_report(result: dict) -> None:

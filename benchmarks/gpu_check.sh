@@ -1,24 +1,42 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared run, for a machine with an NVIDIA GPU and MAX installed
 # (on the device tool's machine: after `install.sh`, with PYTHONPATH=/tmp/site:$PWD).
-#     bash benchmarks/gpu_check.sh OUT_DIR            # gpu tier, then the benchmark
-#     bash benchmarks/gpu_check.sh OUT_DIR tier       # gpu tier only
-# The gpu tier compiles about four graphs (bfloat16 and float32 models, the echo
-# server's, the sampler's), a few minutes each the first time.
+#     bash benchmarks/gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]
+# runs the `gpu` tier, then `bench_gpu.py` (bfloat16, batch 1 and 64, with graph capture,
+# a warm `max serve`; BENCH_ARGS replace these), all within SECONDS (default 3600): each
+# step is interrupted (SIGINT, so pytest still writes its report) when its time is up,
+# and every step writes its results into OUT_DIR as it goes.
+#
+# The tier compiles two small graphs (bfloat16 and float32); while it runs, a
+# throwaway run of the benchmark fills MAX's cache with the benchmark's graph, so the
+# timed run that follows (with nothing else running) starts warm.
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUT_DIR [tier|bench]}
-what=${2:-all}
+out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]}
+deadline=$((SECONDS + ${2:-3600}))
+shift $(($# < 2 ? $# : 2))
+bench_args=("$@")
+[ ${#bench_args[@]} -gt 0 ] || bench_args=(--dtypes bfloat16 --batch-sizes 1,64 --capture --starts warm)
 mkdir -p "$out"
-export MODULAR_TELEMETRY_ENABLED=${MODULAR_TELEMETRY_ENABLED:-0} MAX_SERVE_DISABLE_TELEMETRY=${MAX_SERVE_DISABLE_TELEMETRY:-1}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
-if [ "$what" != bench ]; then
-  start=$SECONDS
-  python3 -m pytest -m gpu tests/gpu -q -rA --durations=0 \
-    --junitxml="$out/gpu-tier.xml" -o junit_logging=all >"$out/gpu-tier.log" 2>&1
-  echo "gpu tier: rc=$? in $((SECONDS - start)) s" | tee -a "$out/gpu-tier.log"
-fi
-if [ "$what" != tier ]; then
-  PYTHONPATH="$PWD/benchmarks:${PYTHONPATH:-}" python3 benchmarks/bench_gpu.py \
-    --out "$out/bench-gpu.json" >"$out/bench-gpu.log" 2>&1
-  echo "bench: rc=$?" | tee -a "$out/bench-gpu.log"
-fi
+export PYTHONUNBUFFERED=1 MODULAR_TELEMETRY_ENABLED=${MODULAR_TELEMETRY_ENABLED:-0} \
+  MAX_SERVE_DISABLE_TELEMETRY=${MAX_SERVE_DISABLE_TELEMETRY:-1}
+bench=(env PYTHONPATH="$PWD/benchmarks:${PYTHONPATH:-}" python3 benchmarks/bench_gpu.py)
+left() { local s=$((deadline - SECONDS - ${1:-0})); echo $((s > 1 ? s : 1)); }  # timeout 0: none
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep 'Model name'; \
+  python3 -c 'from importlib.metadata import version as v; print(*(f"{p} {v(p)}" for p in ("max", "torch", "transformers")))'; } >"$out/machine.txt" 2>&1
+
+"${bench[@]}" "${bench_args[@]}" --new-tokens 2 --repeat 1 --peers "" --no-serve >"$out/warm.log" 2>&1 &
+warm=$!
+
+start=$SECONDS
+timeout -s INT -k 30 "$(left 240)" python3 -m pytest -m gpu tests/gpu -v -rA --durations=0 \
+  --junitxml="$out/gpu-tier.xml" -o junit_logging=all >"$out/gpu-tier.log" 2>&1
+echo "gpu tier: rc=$? in $((SECONDS - start)) s" | tee -a "$out/gpu-tier.log"
+cp "$(ls -t /tmp/pytest-of-*/pytest-current/gpu-serve*/server.log 2>/dev/null | head -1)" \
+  "$out/gpu-serve.log" 2>/dev/null
+
+wait "$warm"; echo "cache fill: rc=$? at $((SECONDS - start)) s" | tee -a "$out/warm.log"
+start=$SECONDS
+timeout -s INT -k 20 "$(left 10)" "${bench[@]}" "${bench_args[@]}" --out "$out/bench-gpu.json" \
+  >"$out/bench-gpu.log" 2>&1
+echo "bench: rc=$? in $((SECONDS - start)) s" | tee -a "$out/bench-gpu.log"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,19 @@ def child_env(**overrides: str) -> dict[str, str]:
     return {**env, "PATH": path_with_this_interpreter(), **overrides}
 
 
+def max_executable() -> str:
+    """MAX's `max` command for this interpreter: the one beside it (a venv, activated
+    or not), else the first on `PATH` (an install with `pip --target`, whose scripts
+    folder is put on `PATH` by hand)."""
+    beside = Path(sys.executable).with_name("max")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("max")
+    if found is None:
+        raise FileNotFoundError(f"no `max` command beside {sys.executable} or on PATH")
+    return found
+
+
 def serve_command(
     model: Path, *args: str, devices: str | None = "cpu", package: str = PACKAGE
 ) -> list[str]:
@@ -89,7 +103,7 @@ def serve_command(
     (this one unless a copy is named); `devices=None` leaves the device to MAX (the
     first GPU it sees, else the CPU)."""
     return [
-        str(Path(sys.executable).with_name("max")), "serve",
+        max_executable(), "serve",
         "--custom-architectures", package,
         "--model", str(model),
         *(() if devices is None else ("--devices", devices)),

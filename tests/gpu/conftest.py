@@ -22,6 +22,8 @@ from transformers import GPT2LMHeadModel
 
 from gpt2_max.testing.reference import TINY_HEAD64, load_reference, write_tiny_checkpoint
 
+from .parity import CARD_SHARE
+
 
 @pytest.fixture(scope="session")
 def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -45,6 +47,7 @@ def gpu_models(gpu_checkpoint: Path) -> Iterator[Callable[[str | None], AutoMode
                 devices="gpu",
                 max_batch_size=4,
                 custom_architectures=["gpt2_max"],
+                **CARD_SHARE,
                 **({} if encoding is None else {"quantization_encoding": encoding}),
             )
         return cache[encoding]

@@ -1,4 +1,5 @@
-"""Comparisons of the GPU's answers with transformers in float32, shared by the tier."""
+"""What the tier's tests share: the card's share per model, and comparisons of the GPU's
+answers with transformers in float32."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from gpt2_max.testing.reference import hf_logprobs
 
 TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where transformers runs the reference (the same card, where torch sees it)."""
+
+CARD_SHARE = {"device_memory_utilization": 0.1}
+"""Each in-process model of the tier sizes its KV cache from a tenth of the card's
+free memory, not MAX's nine tenths: the tier holds several models, transformers and
+a server on one card at once, and the first would otherwise leave the rest too little."""
 
 BFLOAT16_MARGIN = 0.1
 """Above this top-2 margin (transformers float32), bfloat16 must pick transformers' token."""

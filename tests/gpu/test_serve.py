@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from transformers import AutoTokenizer
 
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import random_prompt, stopped_text
-from gpt2_max.testing.server import MODEL_NAME, child_env, max_serve
+from gpt2_max.testing.server import MODEL_NAME, child_env, max_executable, max_serve
 
 from .parity import assert_clear_tokens_match, reference_rows
 
@@ -199,7 +198,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(api, served, body, me
 
 def test_max_generate_runs_on_the_gpu(gpu_checkpoint):
     result = subprocess.run(
-        [str(Path(sys.executable).with_name("max")), "generate",
+        [max_executable(), "generate",
          "--custom-architectures", "gpt2_max", "--model", str(gpu_checkpoint),
          "--prompt", "Hello, my name is", "--max-new-tokens", "8"],
         capture_output=True, text=True, timeout=900, env=child_env(),
