@@ -157,19 +157,20 @@ def bytes_per_step(config, dtype: str, batch: int, new: int) -> float:
 
 def served_rows(
     checkpoint: Path, device: str, batches: list[int], new: int, scratch: Path,
-    starts: list[str],
+    starts: list[str], logs: Path | None = None,
 ) -> dict:
     """`max serve` with no device or encoding flag (the GPU's default, bfloat16 there):
     start times (cold: an empty MAX cache of its own; warm: the cache a cold start
     filled, else the user's), then one stream and the largest batch as concurrent
-    streams on the last start."""
+    streams on the last start. Each server's log is `serve-{start}.log` in `logs`."""
     cold_cache = {"MODULAR_CACHE_DIR": str(scratch / "max-cache")}
+    logs = logs or scratch
     starts = [start for start in ("cold", "warm") if start in starts]  # cold fills, warm reuses
     result: dict = {}
     for start in starts:
         began = time.perf_counter()
         with max_serve(
-            checkpoint, "--max-batch-size", str(max(batches)), log=scratch / f"{start}.log",
+            checkpoint, "--max-batch-size", str(max(batches)), log=logs / f"serve-{start}.log",
             devices=None if device == "gpu" else device,  # "gpu": MAX's own pick
             env=cold_cache if "cold" in starts else None,
         ) as server:
@@ -205,7 +206,15 @@ def progress(dtype: str, engine: str, rows: dict[int, dict]) -> None:
 
 
 def same_tokens(a: list[list[int]], b: list[list[int]]) -> str:
-    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+    """Rows identical throughout, and the mean length of the prefix two rows share: in
+    bfloat16 two correct engines part at the first near-tie, so the whole-row count
+    alone says little."""
+    shared = [
+        next((i for i, (x, y) in enumerate(zip(r, q, strict=True)) if x != y), len(r))
+        for r, q in zip(a, b, strict=True)
+    ]
+    same = sum(n == len(r) for n, r in zip(shared, a, strict=True))
+    return f"{same}/{len(a)}, prefix {statistics.mean(shared):.0f}"
 
 
 def device_name(device: str) -> str:
@@ -282,7 +291,7 @@ def main() -> None:
                 torch.cuda.empty_cache()  # the server's KV cache is sized from free memory
             result["serve"] = served_rows(
                 checkpoint, args.device, batches, args.new_tokens, scratch,
-                args.starts.split(","),
+                args.starts.split(","), logs=args.out.parent if args.out else None,
             )
             save(result, args.out)
     print_report(result)

@@ -24,6 +24,12 @@ left() { local s=$((deadline - SECONDS - ${1:-0})); echo $((s > 1 ? s : 1)); }  
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep 'Model name'; \
   python3 -c 'from importlib.metadata import version as v; print(*(f"{p} {v(p)}" for p in ("max", "torch", "transformers")))'; } >"$out/machine.txt" 2>&1
+# What the tier's clients need beyond MAX, checked before minutes of compiling:
+# an OpenAI client (its HTTP stack imports `truststore`) and the package itself.
+if ! python3 -c 'import openai, gpt2_max.arch; openai.OpenAI(base_url="http://127.0.0.1:9", api_key="-")' \
+    >>"$out/machine.txt" 2>&1; then
+  echo "preflight failed: $(tail -1 "$out/machine.txt")"; exit 1
+fi
 
 "${bench[@]}" "${bench_args[@]}" --new-tokens 2 --repeat 1 --peers "" --no-serve >"$out/warm.log" 2>&1 &
 warm=$!

@@ -40,14 +40,21 @@ logger = logging.getLogger("max.pipelines")
 """MAX's pipeline logger: what `max serve` prints."""
 
 FIRST_COMPILE_CORE_MINUTES = 4
-"""A first start's graph and sampler compiles, in minutes times CPU cores (the start
-profile, `benchmarks/bench_start.py`, measures them)."""
+"""A first start's graph and sampler compiles on the CPU, in minutes times CPU cores
+(the start profile, `benchmarks/bench_start.py`, measures them)."""
+
+FIRST_GPU_COMPILE_MINUTES = 3
+"""The same on a GPU, whose kernels take minutes to compile however many cores the
+host has (`benchmarks/results/2026-11-26-gpu-h200-first-bfloat16-run.md`)."""
 
 
-def announce_compile(encoding: object) -> None:
+def announce_compile(encoding: object, on_host: bool = True) -> None:
     """One line before the graph compile, so a first start that takes minutes is not
     taken for a hung one."""
-    minutes = max(1, math.ceil(FIRST_COMPILE_CORE_MINUTES / (os.cpu_count() or 1)))
+    minutes = (
+        max(1, math.ceil(FIRST_COMPILE_CORE_MINUTES / (os.cpu_count() or 1)))
+        if on_host else FIRST_GPU_COMPILE_MINUTES
+    )
     logger.info(
         f"{PACKAGE}: compiling the GPT-2 graph for %s; the first start takes about %d "
         "minute%s on this machine, later starts reuse MAX's cache at %s",
@@ -72,7 +79,9 @@ class GPT2PipelineModel(
     def load_model(self) -> Callable[..., Any]:
         """Says a first compile takes minutes, compiles, then lets the checkpoint's
         file go (`weights.mapping`)."""
-        announce_compile(self.pipeline_config.model.quantization_encoding)
+        announce_compile(
+            self.pipeline_config.model.quantization_encoding, self.devices[0].is_host
+        )
         compiled = super().load_model()
         release(self.weights)
         return compiled

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding on the CPU with llguidance.
+"""Grammar-constrained decoding with llguidance, on the CPU or a GPU.
 
 MAX's own structured output (xgrammar, `xgrammar_mask.py`) takes JSON schemas
 only and runs one token a step, so the default engine is llguidance, applied
@@ -28,6 +28,7 @@ from typing import Any
 import llguidance.hf
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
+from max.driver import Buffer
 from max.pipelines.context import ProcessorInputs, TextContext
 from transformers import PreTrainedTokenizerFast
 
@@ -102,7 +103,11 @@ class GrammarMask:
         return mask
 
     def __call__(self, inputs: ProcessorInputs) -> None:
-        """Sets every token the grammar forbids to -inf before MAX samples."""
+        """Sets every token the grammar forbids to -inf before MAX samples.
+
+        `to_numpy` is a view of a host buffer but a copy of a device one, so on a
+        GPU the masked row is copied back into MAX's buffer.
+        """
         self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
         logits = inputs.logits.to_numpy()
         # Rows past the tokenizer (a padded embedding table) are never allowed.
@@ -110,6 +115,8 @@ class GrammarMask:
         known = min(logits.shape[1], self.vocab_size)
         allowed[:known] = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:known]
         logits[:, ~allowed] = -np.inf
+        if not inputs.logits.is_host:
+            inputs.logits.inplace_copy_from(Buffer.from_numpy(logits).to(inputs.logits.device))
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):

@@ -43,15 +43,19 @@ REFERENCE_STD = 0.2
 not near-ties, so token-for-token comparisons are meaningful."""
 
 
-def random_state_dict(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
+def random_state_dict(
+    config: GPT2Config, seed: int = 0, std: float = REFERENCE_STD
+) -> dict[str, np.ndarray]:
     """Hub-layout random weights for a reference checkpoint."""
-    return random_hub_state_dict(config, seed=seed, std=REFERENCE_STD)
+    return random_hub_state_dict(config, seed=seed, std=std)
 
 
-def write_tiny_checkpoint(folder: Path, seed: int = 0, **overrides: Any) -> Path:
+def write_tiny_checkpoint(
+    folder: Path, seed: int = 0, std: float = REFERENCE_STD, **overrides: Any
+) -> Path:
     """A random `TINY` GPT-2 (with `overrides`) in hub layout, with the real tokenizer."""
     config = GPT2Config(**{**TINY, **overrides})
-    return save_hub_checkpoint(folder, config, random_state_dict(config, seed))
+    return save_hub_checkpoint(folder, config, random_state_dict(config, seed, std))
 
 
 def load_reference(folder: Path) -> GPT2LMHeadModel:

@@ -16,8 +16,18 @@ import numpy as np
 import pytest
 import torch
 from llguidance import LLMatcher
+from max.driver import CPU, Buffer
+from max.pipelines.context import ProcessorInputs
+from transformers import AutoTokenizer
 
-from gpt2_max.generate.constrained import JSON_OPTIONS
+from gpt2_max.generate.constrained import (
+    JSON_OPTIONS,
+    GrammarMask,
+    compile_constraint,
+    llg_tokenizer,
+)
+from gpt2_max.model_config import GPT2_VOCAB_SIZE
+from gpt2_max.tools.checkpoint import TOKENIZER_DIR
 
 pytestmark = pytest.mark.tier("model")
 
@@ -142,3 +152,32 @@ def test_regex_and_lark_grammar(generator):
         assert re.fullmatch(pattern, by_regex.text), by_regex.text
         by_lark = generator.generate("Well?", 20, grammar=grammar, temperature=1.0, seed=seed)
         assert re.fullmatch(r"(yes|no|maybe) because [a-z]{1,6}", by_lark.text), by_lark.text
+
+
+class DeviceRow:
+    """A logits row as MAX hands it to a processor on a GPU: `to_numpy` copies it to
+    the host, and only `inplace_copy_from` changes it."""
+
+    is_host = False
+    device = CPU()
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.buffer = Buffer.from_numpy(values)
+
+    def to_numpy(self) -> np.ndarray:
+        return self.buffer.to_numpy().copy()
+
+    def inplace_copy_from(self, other: Buffer) -> None:
+        self.buffer.inplace_copy_from(other)
+
+
+@pytest.mark.tier("unit")
+def test_the_mask_reaches_logits_on_a_device():
+    tokenizer = llg_tokenizer(AutoTokenizer.from_pretrained(TOKENIZER_DIR), GPT2_VOCAB_SIZE)
+    grammar = compile_constraint(tokenizer, "regex", "Hello")
+    mask = GrammarMask(LLMatcher(tokenizer, grammar), tokenizer.vocab_size)
+    row = DeviceRow(np.zeros((1, GPT2_VOCAB_SIZE), dtype=np.float32))
+    mask(ProcessorInputs(logits=row, context=None))
+    allowed = np.isfinite(row.buffer.to_numpy()[0])
+    assert 0 < allowed.sum() < GPT2_VOCAB_SIZE
+    assert allowed[AutoTokenizer.from_pretrained(TOKENIZER_DIR).encode("Hello")[0]]

@@ -6,7 +6,7 @@ Run it on a GPU machine with `python -m pytest -m gpu`.
 
 The checkpoints are the suite's own random ones (`write_tiny_checkpoint`) with a
 head size of 64, every GPT-2's (`TINY_HEAD64`), so MAX's GPU attention kernels run
-at the shape they serve. The reference's weight spread (`REFERENCE_STD`) gives most greedy
+at the shape they serve, and a weight spread (`GPU_STD`) that gives most greedy
 steps a top-2 margin well above bfloat16's noise; the parity tests check that it
 does, so a comparison is never a coin toss.
 """
@@ -22,12 +22,14 @@ from transformers import GPT2LMHeadModel
 
 from gpt2_max.testing.reference import TINY_HEAD64, load_reference, write_tiny_checkpoint
 
-from .parity import CARD_SHARE
+from .parity import GPU_STD, IN_PROCESS
 
 
 @pytest.fixture(scope="session")
 def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-checkpoint"), seed=3, **TINY_HEAD64)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("gpu-checkpoint"), seed=3, std=GPU_STD, **TINY_HEAD64
+    )
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +49,7 @@ def gpu_models(gpu_checkpoint: Path) -> Iterator[Callable[[str | None], AutoMode
                 devices="gpu",
                 max_batch_size=4,
                 custom_architectures=["gpt2_max"],
-                **CARD_SHARE,
+                **IN_PROCESS,
                 **({} if encoding is None else {"quantization_encoding": encoding}),
             )
         return cache[encoding]

@@ -11,7 +11,7 @@ import pytest
 from gpt2_max.generate import Generator
 from gpt2_max.testing.reference import random_prompt
 
-from .parity import CARD_SHARE, assert_clear_tokens_match
+from .parity import IN_PROCESS, assert_clear_tokens_match
 
 pytestmark = pytest.mark.tier("gpu")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.tier("gpu")
 @pytest.fixture(scope="module")
 def on_gpu(gpu_checkpoint):
     """`Generator(checkpoint)` with no device or encoding: MAX's pick, as `max serve`'s."""
-    with Generator(gpu_checkpoint, max_batch_size=4, **CARD_SHARE) as generator:
+    with Generator(gpu_checkpoint, max_batch_size=4, **IN_PROCESS) as generator:
         yield generator
 
 
