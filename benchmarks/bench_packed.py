@@ -75,7 +75,7 @@ def main() -> None:
         nbytes = sum(b.nbytes for b in blocks)
         variants = {dot: blocks for dot in args.dots.split(",")}
         qe = QuantizationEncoding[encoding.upper()]
-        if has_max_kernel(qe):
+        if has_max_kernel(encoding):
             state = {
                 str(i): WeightData(b, str(i), DType.uint8, Shape(b.shape), qe)
                 for i, b in enumerate(blocks)

@@ -74,6 +74,7 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
+from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights
 from max.pipelines.lib import SamplingConfig
 from max.pipelines.sampling.sampling import token_sampler
@@ -86,6 +87,7 @@ from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.tools.gguf_config import huggingface_config
 from gpt2_max.weights.gguf import convert_gguf_state_dict, metadata
+from gpt2_max.weights.plan import block_type
 
 PROMPT = list(range(2000, 2016))
 
@@ -298,7 +300,7 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
             b = _array(bias)
             arrays.append(b)
             types.append(TensorType(DType.float32, list(b.shape), DeviceRef.CPU()))
-        plan.append((name, w.quantization_encoding, bias is not None))
+        plan.append((name, block_type(w), bias is not None))
     nbytes = sum(a.nbytes for a in arrays[1:] if a.ndim == 2)
     with Graph("projections", input_types=types) as graph:
         inputs = iter(v.tensor for v in graph.inputs)
@@ -307,11 +309,10 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
             w = next(inputs)
             b = next(inputs) if has_bias else None
             if encoding is not None and not has_max_kernel(encoding):
-                name_ = encoding.name.lower()
-                y = (kernels.packed_linear(name_, x, w, b) if b is not None
-                     else kernels.packed_matmul(name_, x, w))
+                y = (kernels.packed_linear(encoding, x, w, b) if b is not None
+                     else kernels.packed_matmul(encoding, x, w))
             elif encoding is not None:
-                y = _matmul(encoding, x, w)
+                y = _matmul(QuantizationEncoding[encoding.upper()], x, w)
                 if b is not None:
                     y = y[:, : b.shape[0]] + b
             elif b is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
+
 
 @dataclass(frozen=True)
 class Encoding:
@@ -33,11 +35,13 @@ ENCODINGS: dict[str, Encoding] = {
     "q4_0": Encoding(flag=True, packed=True, kernel_type=2),
     "q4_k": Encoding(flag=True, packed=True, kernel_type=12),
     "q6_k": Encoding(flag=True, packed=True, kernel_type=14),
-    # No `--quantization-encoding` value of MAX's; kept packed inside a GGUF.
+    # No `--quantization-encoding` value of MAX's; kept packed inside a GGUF and
+    # multiplied by the package's kernel. Q5_0, Q5_1 and Q8_0 are what llama.cpp's
+    # k-quant mixes write for rows k-quants cannot block by 256 (gpt2-xl's 1600).
     "q5_k": Encoding(flag=False, packed=True, kernel_type=13),
-    # The kernel decodes it, but MAX's GGUF reader and `QuantizationEncoding` have
-    # no Q8_0, so a file's Q8_0 tensors are dequantized at load (`weights/gguf.py`).
-    "q8_0": Encoding(flag=False, kernel_type=8),
+    "q5_0": Encoding(flag=False, packed=True, kernel_type=6),
+    "q5_1": Encoding(flag=False, packed=True, kernel_type=7),
+    "q8_0": Encoding(flag=False, packed=True, kernel_type=8),
 }
 
 SUPPORTED_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.flag)
@@ -54,3 +58,8 @@ KEPT_PACKED = frozenset(name for name, e in ENCODINGS.items() if e.packed)
 
 KERNEL_TYPES = {name: e.kernel_type for name, e in ENCODINGS.items() if e.kernel_type is not None}
 """Block types the package's packed kernel decodes, with the GGML type id it is specialised on."""
+
+
+def block_geometry(name: str) -> tuple[int, int]:
+    """(values, bytes) per block of block type `name`, as ggml defines them."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]]

@@ -31,6 +31,7 @@ from max.nn.kv_cache import PagedCacheValues
 
 from ..model_config import GPT2ArchConfig
 from ..names import env_var
+from ..weights.plan import block_type
 from ..weights.schema import CheckpointError
 
 LAYERS_ENV = env_var("LAYERS")
@@ -86,9 +87,9 @@ class Layers:
         """
         dtype = self.config.dtype
         for name, weight in state_dict.items():
-            if weight.quantization_encoding is not None:
+            if (kind := block_type(weight)) is not None:
                 raise CheckpointError(
-                    f"tensor {name!r} is packed as {weight.quantization_encoding.name}; "
+                    f"tensor {name!r} is packed as {kind}; "
                     f"the plain layers multiply float tensors only. Serve this file on the "
                     f"CPU (`--devices cpu`) without {LAYERS_ENV}=plain, or a float file."
                 )

@@ -1,6 +1,6 @@
 """A linear layer over GGUF-packed weights, through MAX's quantized CPU kernels
-or, for block types MAX has none for (Q5_K), the package's (`kernels/mojo/kquant.mojo`,
-the blocks as the file stores them).
+or, for block types MAX has none for (Q5_K, Q5_0, Q5_1, Q8_0), the package's
+(`kernels/mojo/kquant.mojo`, the blocks as the file stores them).
 
 ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature);
@@ -32,10 +32,11 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
 from .. import kernels
-from ..encodings import PACKED_ENCODINGS
+from ..encodings import PACKED_ENCODINGS, block_geometry
 from ..names import PACKAGE
 from ..shims.internals import quantized_matmul_op, quantized_repack_op
 from ..weights.hugepages import hugepage_array
+from ..weights.plan import block_type
 
 PACKED_ROWS_MULTIPLE = 32
 """MAX's CPU `qmatmul` kernels take a multiple of 32 weight rows (output
@@ -43,9 +44,9 @@ features); a table with other counts (GPT-2's 50257 tokens) is padded with
 all-zero blocks, which decode to zeros, and the extra outputs are cut off."""
 
 
-def has_max_kernel(encoding: QuantizationEncoding) -> bool:
-    """Whether MAX's CPU `qmatmul` multiplies `encoding` (`encodings.PACKED_ENCODINGS`);
-    the rest go through the package's kernel.
+def has_max_kernel(encoding: str) -> bool:
+    """Whether MAX's CPU `qmatmul` multiplies block type `encoding`
+    (`encodings.PACKED_ENCODINGS`); the rest go through the package's kernel.
 
     Q4_K and Q6_K stay with MAX although the package's kernel runs their decode steps
     about as fast (`benchmarks/bench_packed.py`): a weight's kernel serves every step
@@ -53,21 +54,21 @@ def has_max_kernel(encoding: QuantizationEncoding) -> bool:
     rows, so that every row count runs one arithmetic) is several times slower than
     `qmatmul`'s.
     """
-    return encoding.name.lower() in PACKED_ENCODINGS
+    return encoding in PACKED_ENCODINGS
 
 
 def padded_rows(rows: int) -> int:
     return -(-rows // PACKED_ROWS_MULTIPLE) * PACKED_ROWS_MULTIPLE
 
 
-def packed_row_bytes(features: int, encoding: QuantizationEncoding) -> int:
+def packed_row_bytes(features: int, encoding: str) -> int:
     """Bytes of one packed row of `features` values."""
-    if features % encoding.elements_per_block:
+    values, size = block_geometry(encoding)
+    if features % values:
         raise ValueError(
-            f"{encoding.name} packs rows of a multiple of {encoding.elements_per_block} "
-            f"values; this row has {features}."
+            f"{encoding} packs rows of a multiple of {values} values; this row has {features}."
         )
-    return features // encoding.elements_per_block * encoding.block_size
+    return features // values * size
 
 
 class QuantizedLinear(Module[[Tensor], Tensor]):
@@ -77,7 +78,7 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
     bias: Tensor | Literal[0]
 
     def __init__(
-        self, in_dim: int, out_dim: int, encoding: QuantizationEncoding, *, bias: bool = True
+        self, in_dim: int, out_dim: int, encoding: str, *, bias: bool = True
     ) -> None:
         self.encoding = encoding
         self.out_dim = out_dim
@@ -89,11 +90,10 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
 
     def forward(self, x: Tensor) -> Tensor:
         if not has_max_kernel(self.encoding):
-            name = self.encoding.name.lower()
             if isinstance(self.bias, int):
-                return kernels.packed_matmul(name, x, self.weight)
-            return kernels.packed_linear(name, x, self.weight, self.bias)
-        y = _matmul(self.encoding, x, self.weight)
+                return kernels.packed_matmul(self.encoding, x, self.weight)
+            return kernels.packed_linear(self.encoding, x, self.weight, self.bias)
+        y = _matmul(QuantizationEncoding[self.encoding.upper()], x, self.weight)
         if padded_rows(self.out_dim) != self.out_dim:
             y = y[:, : self.out_dim]
         return y + self.bias
@@ -125,7 +125,7 @@ def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
     """
     packed = {
         n: w for n, w in state_dict.items()
-        if w.quantization_encoding is not None and has_max_kernel(w.quantization_encoding)
+        if (kind := block_type(w)) is not None and has_max_kernel(kind)
     }
     if not packed:
         return state_dict

@@ -12,16 +12,17 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
   Other F16 tensors (position table, norms, biases: small) and all BF16 ones
   are widened to float32 here (MAX's CPU kernels have no bfloat16).
   Safetensors checkpoints in float16 are widened by their own adapter.
-- Q4_0, Q4_K, Q5_K and Q6_K matmul weights stay packed: MAX's `qmatmul`
-  multiplies Q4_0, Q4_K and Q6_K, the package's kernel Q5_K
-  (`layers/quantized.py`). Embedding tables are dequantized to float32 at
+- Matmul weights of the block types `encodings.KEPT_PACKED` lists stay packed:
+  MAX's `qmatmul` multiplies Q4_0, Q4_K and Q6_K, the package's kernel Q5_K,
+  Q5_0, Q5_1 and Q8_0 (`layers/quantized.py`). MAX's own GGUF reader refuses
+  Q5_0, Q5_1 and Q8_0 (its `QuantizationEncoding` has none), so their bytes are
+  read through the `gguf` reader MAX opened and travel as `plan.BlockWeightData`.
+  Embedding tables are dequantized to float32 at
   load: gathering packed rows and dequantizing them in the graph crashed MAX
   26.7's Q4_0 kernel on a GPT-2-sized table. A tied head still multiplies the packed
   token table: the adapter hands it over as `lm_head.weight` too.
-- Other block types (Q8_0, Q5_0, Q4_1, Q5_1, ...) have no kernel here; the
-  `gguf` package dequantizes them to float32 here, and one log line lists them.
-  MAX's own GGUF reader refuses Q8_0/Q5_0/Q4_1 outright, so their bytes are read
-  through the `gguf` reader MAX opened.
+- Other block types (Q4_1, IQ types, ...) have no kernel here; the `gguf`
+  package dequantizes them to float32 here, and one log line lists them.
 - A type nothing can read fails the start naming the tensor and its type.
 
 MAX 26.7 builds a model's config only from `config.json` (before any plugin code
@@ -38,6 +39,7 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from max.dtype import DType
 from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData, Weights
@@ -47,6 +49,7 @@ from ..names import PACKAGE
 from ..shims.internals import gguf_reader
 from .gguf_names import hub_name
 from .hugepages import hugepage_array
+from .plan import BlockWeightData
 from .schema import (
     CheckpointError,
     feed_forward_size,
@@ -57,9 +60,7 @@ from .schema import (
 
 logger = logging.getLogger("max.pipelines")
 
-KERNEL_ENCODINGS: dict[Q, QuantizationEncoding] = {
-    Q[name.upper()]: QuantizationEncoding[name.upper()] for name in KEPT_PACKED
-}
+KEPT: frozenset[Q] = frozenset(Q[name.upper()] for name in KEPT_PACKED)
 """Block types whose matmul weights stay packed (`encodings.KEPT_PACKED`)."""
 
 WIDENED = (Q.F16, Q.BF16)
@@ -130,13 +131,15 @@ def writable(array: np.ndarray) -> np.ndarray:
     return hugepage_array(array)
 
 
-def _packed(name: str, weights: Weights) -> WeightData:
-    """A quantized matrix as its blocks, one row per output feature."""
-    packed = weights.data()
-    blocks = np.asarray(packed.data)
-    return WeightData(
-        writable(blocks), name, packed.dtype, Shape(blocks.shape), packed.quantization_encoding
-    )
+def _packed(name: str, tensor: gguf.ReaderTensor) -> WeightData:
+    """A quantized matrix as its blocks (`uint8`, one row per output feature), with
+    MAX's `QuantizationEncoding` where it names the type."""
+    blocks = writable(np.asarray(tensor.data))
+    kind = tensor.tensor_type.name
+    shape = Shape(blocks.shape)
+    if kind in QuantizationEncoding.__members__:
+        return WeightData(blocks, name, DType.uint8, shape, QuantizationEncoding[kind])
+    return BlockWeightData(blocks, name, DType.uint8, shape, block_type=kind.lower())
 
 
 def convert_gguf_state_dict(
@@ -166,14 +169,14 @@ def convert_gguf_state_dict(
     ):
         tensor = tensors[key]
         qtype = tensor.tensor_type
-        if qtype in KERNEL_ENCODINGS and stays_packed(name):
-            converted[name] = _packed(name, state_dict[key])
+        if qtype in KEPT and stays_packed(name):
+            converted[name] = _packed(name, tensor)
             continue
-        if qtype in KERNEL_ENCODINGS and name == "wte.weight" and tied_head:
+        if qtype in KEPT and name == "wte.weight" and tied_head:
             # A tied head over a packed table multiplies the blocks (a float copy
             # would cost 4-8x their bytes per decode step); the gather below
             # reads float rows.
-            converted["lm_head.weight"] = _packed("lm_head.weight", state_dict[key])
+            converted["lm_head.weight"] = _packed("lm_head.weight", tensor)
         if qtype == Q.F16 and stays_half(name):
             converted[name] = WeightData.from_numpy(writable(np.asarray(tensor.data)), name)
             continue
@@ -187,4 +190,9 @@ def convert_gguf_state_dict(
             len(dequantized),
             ", ".join(dequantized),
         )
+    logger.info(
+        f"{PACKAGE}: the GGUF's weights take %.0f MiB in memory (the file: %.0f MiB)",
+        sum(np.asarray(w.data).nbytes for w in converted.values()) / 2**20,
+        reader.data.nbytes / 2**20,
+    )
     return converted

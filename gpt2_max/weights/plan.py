@@ -9,41 +9,55 @@ know which file format it came from.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from max.dtype import DType
-from max.graph.quantization import QuantizationEncoding
+from max.graph.weights import WeightData
+
+
+@dataclasses.dataclass
+class BlockWeightData(WeightData):
+    """GGUF blocks of a type MAX's `QuantizationEncoding` does not name (Q5_0, Q5_1,
+    Q8_0), which therefore travel as plain `uint8` for MAX; `block_type` says which."""
+
+    block_type: str = ""
+
+
+def block_type(weight: WeightData) -> str | None:
+    """The block type (`encodings.ENCODINGS`'s name) `weight` is packed in, or None."""
+    if isinstance(weight, BlockWeightData):
+        return weight.block_type
+    encoding = weight.quantization_encoding
+    return None if encoding is None else encoding.name.lower()
 
 
 @dataclass(frozen=True)
 class WeightPlan:
     """Which parameters are packed blocks and which are floats other than float32."""
 
-    packed: Mapping[str, QuantizationEncoding] = field(default_factory=dict)
-    """Parameters held as GGUF blocks (`uint8`), by name, with their encoding."""
+    packed: Mapping[str, str] = field(default_factory=dict)
+    """Parameters held as GGUF blocks (`uint8`), by name, with their block type."""
     dtypes: Mapping[str, DType] = field(default_factory=dict)
     """Unpacked parameters held in another dtype than float32 (float16), by name."""
 
     @classmethod
     def of(cls, state_dict: Mapping[str, Any]) -> WeightPlan:
         """The plan of the `WeightData` an adapter returned."""
+        packed = {name: block_type(weight) for name, weight in state_dict.items()}
         return cls(
-            packed={
-                name: weight.quantization_encoding
-                for name, weight in state_dict.items()
-                if weight.quantization_encoding is not None
-            },
+            packed={name: kind for name, kind in packed.items() if kind is not None},
             dtypes={
                 name: weight.dtype
                 for name, weight in state_dict.items()
-                if weight.quantization_encoding is None and weight.dtype != DType.float32
+                if packed[name] is None and weight.dtype != DType.float32
             },
         )
 
-    def encoding(self, name: str) -> QuantizationEncoding | None:
-        """The block encoding parameter `name` is packed in, or None for a float one."""
+    def encoding(self, name: str) -> str | None:
+        """The block type parameter `name` is packed in, or None for a float one."""
         return self.packed.get(name)
 
     def dtype(self, name: str) -> DType:

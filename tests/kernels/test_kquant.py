@@ -20,7 +20,7 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
-from gpt2_max.encodings import KEPT_PACKED, KERNEL_TYPES
+from gpt2_max.encodings import KEPT_PACKED, KERNEL_TYPES, block_geometry
 from gpt2_max.tools.gguf_quants import quantize
 
 pytestmark = pytest.mark.tier("model")
@@ -44,7 +44,7 @@ CASES = [
     (encoding, dot, k, n)
     for encoding in sorted(KERNEL_TYPES)
     for dot in (("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS else ("auto",))
-    for k, n in SHAPES + (SMALL_BLOCK_SHAPES if encoding in ("q4_0", "q8_0") else ())
+    for k, n in SHAPES + (SMALL_BLOCK_SHAPES if block_geometry(encoding)[0] == 32 else ())
 ]
 
 

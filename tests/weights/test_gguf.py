@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -33,6 +34,7 @@ from gpt2_max.tools.gguf_quants import quantize
 from gpt2_max.tools.gguf_writer import gguf_tensors, write_gguf, write_tensors
 from gpt2_max.weights.gguf import convert_gguf_state_dict
 from gpt2_max.weights.gguf_names import gguf_name
+from gpt2_max.weights.plan import WeightPlan, block_type
 from gpt2_max.weights.schema import CheckpointError
 
 pytestmark = pytest.mark.tier("model")
@@ -125,19 +127,27 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 # Each file is a graph to compile: q4_k_m runs Q4_K and Q6_K blocks through
 # qmatmul and Q5_K through the package's kernel in one, the graph the served
 # test (`test_gguf_serve.py`) uses.
+# The xl-rows model's Q4_K_M file holds Q5_0, Q5_1 and Q8_0 projections beside k-quants,
+# all multiplied packed (`XL_ROWS`).
 BOUNDS = {
-    # encoding: (min top-1 agreement, max |logit error| / logit std, max mean |Δ log p|)
-    "q4_0": (0.80, 1.0, 0.25),
-    "q4_k_m": (0.80, 1.0, 0.25),
+    # (model, file type): (min top-1 agreement, max |logit error| / logit std,
+    # max mean |Δ log p|)
+    ("quantized_model", "q4_0"): (0.80, 1.0, 0.25),
+    ("quantized_model", "q4_k_m"): (0.80, 1.0, 0.25),
+    ("xl_rows_model", "q4_k_m"): (0.80, 1.0, 0.25),
 }
 
 
-@pytest.mark.parametrize("file_type", sorted(BOUNDS))
+@pytest.mark.parametrize("model_name, file_type", sorted(BOUNDS))
 def test_quantized_gguf_matches_transformers_on_dequantized_weights(
-    file_type, quantized_model, gguf_files, max_models
+    model_name, file_type, request, gguf_files, max_models
 ):
-    path = gguf_files(quantized_model, file_type)
-    reference = hf_on_gguf_weights(quantized_model, path)
+    source = request.getfixturevalue(model_name)
+    path = gguf_files(source, file_type)
+    if model_name == "xl_rows_model":
+        types = {t.tensor_type for t in gguf.GGUFReader(path).tensors}
+        assert {Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K} <= types, types
+    reference = hf_on_gguf_weights(source, path)
     model = max_models(path)
 
     lengths = (1, 3, 7, 12, 20, 33, 50, 64, 90, 128, 200, 300)
@@ -169,12 +179,12 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(
     delta = np.abs(ours - theirs)
 
     print(
-        f"\n{file_type}: top-1 {top1:.4f} over {len(np.concatenate(agree))} steps, "
+        f"\n{model_name} {file_type}: top-1 {top1:.4f} over {len(np.concatenate(agree))} steps, "
         f"max |logit err| {max_error:.4f} ({relative_error:.4f} of logit std "
         f"{np.mean(scales):.2f}), 512-token text: mean |Δlog p| {delta.mean():.5f}, "
         f"max {delta.max():.4f}, mean log p MAX {ours.mean():.4f} HF {theirs.mean():.4f}"
     )
-    min_top1, max_relative, max_delta = BOUNDS[file_type]
+    min_top1, max_relative, max_delta = BOUNDS[model_name, file_type]
     assert top1 >= min_top1
     assert relative_error <= max_relative
     assert delta.mean() <= max_delta
@@ -199,7 +209,7 @@ def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, capl
     tensors = small_tensors("q4_k")
     state = random_hub_state_dict(SMALL, seed=2)
     up = state["h.0.mlp.c_fc.weight"].T  # [out, in], as GGUF stores it
-    tensors["blk.0.ffn_up.weight"] = (quantize(up, Q.Q8_0), Q.Q8_0)
+    tensors["blk.0.ffn_up.weight"] = (quantize(up, Q.Q4_1), Q.Q4_1)
     tensors["blk.0.attn_qkv.weight"] = (
         quantize(state["h.0.attn.c_attn.weight"].T, Q.Q5_K), Q.Q5_K
     )
@@ -208,10 +218,10 @@ def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, capl
         converted = adapt(path)
     lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
     assert len(lines) == 1
-    assert "blk.0.ffn_up.weight (Q8_0)" in lines[0] and "Q5_K" not in lines[0]
+    assert "blk.0.ffn_up.weight (Q4_1)" in lines[0] and "Q5_K" not in lines[0]
     up_back = np.from_dlpack(converted["h.0.mlp.c_fc.weight"])
     assert up_back.dtype == np.float32 and up_back.shape == up.shape
-    np.testing.assert_allclose(up_back, up, atol=0.01 * np.abs(up).max())
+    np.testing.assert_allclose(up_back, up, atol=0.1 * np.abs(up).max())
     packed = converted["h.0.mlp.c_proj.weight"]
     assert packed.quantization_encoding == QuantizationEncoding.Q4_K
     assert [int(d) for d in packed.shape] == [256, 1024 // 256 * 144]
@@ -222,6 +232,24 @@ def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, capl
     )
     assert converted["wte.weight"].quantization_encoding is None  # tables load as float32
     assert np.from_dlpack(converted["wte.weight"]).dtype == np.float32
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q8_0])
+def test_types_maxs_reader_refuses_stay_packed_as_the_file_stores_them(tmp_path, caplog, qtype):
+    """What llama.cpp's k-quant mixes write for rows not a multiple of 256 (gpt2-xl's)."""
+    tensors = small_tensors("q4_k")
+    up = random_hub_state_dict(SMALL, seed=2)["h.0.mlp.c_fc.weight"].T
+    tensors["blk.0.ffn_up.weight"] = (quantize(up, qtype), qtype)
+    path = write_tensors(tmp_path / "m.gguf", SMALL, tensors, "q4_k", TOKENIZER_DIR)
+    with caplog.at_level(logging.INFO, logger="max.pipelines"):
+        converted = adapt(path)
+    assert not [r for r in caplog.records if "blk.0.ffn_up" in r.getMessage()]
+    weight = converted["h.0.mlp.c_fc.weight"]
+    assert block_type(weight) == qtype.name.lower()
+    assert weight.dtype == DType.uint8
+    np.testing.assert_array_equal(np.asarray(weight.data), tensors["blk.0.ffn_up.weight"][0])
+    assert WeightPlan.of(converted).encoding("h.0.mlp.c_fc.weight") == qtype.name.lower()
 
 
 @pytest.mark.tier("unit")

@@ -24,14 +24,15 @@ fastest the CPU has that keeps the float result:
   takes fewer instructions per weight than a bfloat16 one, so two terms still beat
   the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
 - bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
-- float32: every weight decoded to float32 in registers (`_tile`); Q4_0 and Q8_0
-  always run this way.
+- float32: every weight decoded to float32 in registers (`_tile`); the 32-weight
+  block types (Q4_0, Q5_0, Q5_1, Q8_0) always run this way.
 int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
 llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
 projections of the Q4_K_M parity test (`tests/weights/test_gguf.py`) it costs greedy
 agreement with the float model, which the second term gives back.
 
-Formats (`fmt`, the GGML type id): Q4_0 (2), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14).
+Formats (`fmt`, the GGML type id): Q4_0 (2), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12),
+Q5_K (13), Q6_K (14).
 """
 
 from std.math import ceildiv, fma
@@ -60,6 +61,8 @@ comptime WV = SIMD[DType.int16, 32]
 comptime BPtr = UnsafePointer[BFloat16, MutUntrackedOrigin]
 
 comptime Q4_0 = 2
+comptime Q5_0 = 6
+comptime Q5_1 = 7
 comptime Q8_0 = 8
 comptime Q4_K = 12
 comptime Q5_K = 13
@@ -68,13 +71,18 @@ comptime Q6_K = 14
 
 def block_elems[fmt: Int]() -> Int:
     """Weights per block."""
-    return 32 if fmt == Q4_0 or fmt == Q8_0 else 256
+    return 32 if fmt == Q4_0 or fmt == Q5_0 or fmt == Q5_1 or fmt == Q8_0 else 256
 
 
 def block_bytes[fmt: Int]() -> Int:
-    """Bytes per block (ggml's block_q4_0, block_q8_0, block_q4_K, block_q5_K, block_q6_K)."""
+    """Bytes per block (ggml's block_q4_0, block_q5_0, block_q5_1, block_q8_0,
+    block_q4_K, block_q5_K, block_q6_K)."""
     comptime if fmt == Q4_0:
         return 18
+    elif fmt == Q5_0:
+        return 22
+    elif fmt == Q5_1:
+        return 24
     elif fmt == Q8_0:
         return 34
     elif fmt == Q4_K:
@@ -122,6 +130,27 @@ def _bytes(p: U8Ptr) -> SIMD[DType.uint8, V]:
 
 
 @always_inline
+def _high_bits(p: U8Ptr) -> UInt32:
+    """A Q5_0/Q5_1 block's 32 high bits (little-endian, any alignment)."""
+    return (
+        p.unsafe_load(0).cast[DType.uint32]()
+        | (p.unsafe_load(1).cast[DType.uint32]() << 8)
+        | (p.unsafe_load(2).cast[DType.uint32]() << 16)
+        | (p.unsafe_load(3).cast[DType.uint32]() << 24)
+    )
+
+
+@always_inline
+def _bit4[first: Int](qh: UInt32) -> SIMD[DType.uint8, V]:
+    """Bit 4 of weights first .. first+V-1 of a Q5_0/Q5_1 block: bit l of `qh` is
+    weight l's."""
+    var lanes = SIMD[DType.uint32, V](0)
+    comptime for l in range(V):
+        lanes[l] = UInt32(first + l)
+    return (((SIMD[DType.uint32, V](qh) >> lanes) & 1) << 4).cast[DType.uint8]()
+
+
+@always_inline
 def _decode[fmt: Int, g: Int](blk: U8Ptr) -> Tuple[FV, FV]:
     """Weights 32g .. 32g+31 of the block at `blk`, as float32."""
     comptime if fmt == Q4_0:
@@ -131,6 +160,20 @@ def _decode[fmt: Int, g: Int](blk: U8Ptr) -> Tuple[FV, FV]:
         var lo = (q & 0xF).cast[DType.float32]()
         var hi = (q >> 4).cast[DType.float32]()
         return (fma(lo, FV(d), FV(-8 * d)), fma(hi, FV(d), FV(-8 * d)))
+    elif fmt == Q5_0 or fmt == Q5_1:
+        # d, [Q5_1: m,] 4 bytes of high bits, 16 bytes of low nibbles as Q4_0's;
+        # value (q - 16) d (Q5_0) or q d + m (Q5_1).
+        comptime at = 2 if fmt == Q5_0 else 4
+        var d = FV(_half(blk))
+        var qh = _high_bits(blk + at)
+        var q = _bytes(blk + at + 4)
+        var lo = ((q & 0xF) | _bit4[0](qh)).cast[DType.float32]()
+        var hi = ((q >> 4) | _bit4[V](qh)).cast[DType.float32]()
+        comptime if fmt == Q5_0:
+            return (fma(lo, d, -16 * d), fma(hi, d, -16 * d))
+        else:
+            var m = FV(_half(blk + 2))
+            return (fma(lo, d, m), fma(hi, d, m))
     elif fmt == Q8_0:
         # d; 32 signed bytes; value q d.
         var d = FV(_half(blk))
