@@ -397,10 +397,10 @@ def measure(part: str, path: Path, args: argparse.Namespace) -> dict[str, float]
     command = [sys.executable, __file__, "--part", part, "--path", str(path),
                "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat),
                *(f"--serve-env={item}" for item in args.serve_env)]
-    out = subprocess.run(
-        command, check=True, capture_output=True, text=True, env=child_env()
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = subprocess.run(command, capture_output=True, text=True, env=child_env())
+    if result.returncode != 0:
+        raise RuntimeError(f"{part} of {path} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
