@@ -74,8 +74,8 @@ def main() -> None:
         ]
         nbytes = sum(b.nbytes for b in blocks)
         variants = {dot: blocks for dot in args.dots.split(",")}
-        qe = QuantizationEncoding[encoding.upper()]
         if has_max_kernel(encoding):
+            qe = QuantizationEncoding[encoding.upper()]
             state = {
                 str(i): WeightData(b, str(i), DType.uint8, Shape(b.shape), qe)
                 for i, b in enumerate(blocks)

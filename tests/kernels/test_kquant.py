@@ -32,7 +32,9 @@ SHAPES = ((768, 2304), (256, 1), (512, 37), (3072, 768))
 SMALL_BLOCK_SHAPES = ((32, 5), (96, 33))
 """The 32-value formats also take K that no 256-value block divides."""
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
-"""The formats with a choice of decode arithmetic (`kernels.DOTS`)."""
+"""The k-quants: a choice of float32, bfloat16 or int8 arithmetic (`kernels.DOTS`)."""
+INT8_32 = ("q5_0", "q5_1", "q8_0")
+"""The 32-value block types with an int8 path besides float32."""
 ROUNDED = {"int8": 1, "int8x2": 254, "auto": 254}
 """Dots whose K-quant results may carry int8 rounding of the activations, by how much
 finer than one int8 step per block their rounding is ("int8x2" rounds the remainder
@@ -43,7 +45,10 @@ the served model "auto"."""
 CASES = [
     (encoding, dot, k, n)
     for encoding in sorted(KERNEL_TYPES)
-    for dot in (("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS else ("auto",))
+    for dot in (
+        ("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS
+        else ("float32", "int8", "int8x2") if encoding in INT8_32 else ("auto",)
+    )
     for k, n in SHAPES + (SMALL_BLOCK_SHAPES if block_geometry(encoding)[0] == 32 else ())
 ]
 
@@ -75,14 +80,20 @@ def float_atol(k: int) -> float:
     return 1e-5 * np.sqrt(k) * 4
 
 
-def int8_atol(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Six standard deviations of what rounding x to int8 per block of 256 (step
-    max |x| / 127 of the block) adds to x @ w.T: each rounding error is about uniform
-    over a step, independent of the others, [rows of x, rows of w]."""
+def int8_atol(x: np.ndarray, w: np.ndarray, block: int = 256) -> np.ndarray:
+    """Six standard deviations of what rounding x to int8 per `block` values (step
+    max |x| / 127 of the block: 256 for the k-quants, 32 for the 32-value types) adds to
+    x @ w.T: each rounding error is about uniform over a step, independent of the
+    others, [rows of x, rows of w]."""
     m, k = x.shape
-    step = np.abs(x.reshape(m, k // 256, 256)).max(axis=-1) / 127
-    weight = (w.reshape(w.shape[0], k // 256, 256) ** 2).sum(axis=-1)
+    step = np.abs(x.reshape(m, k // block, block)).max(axis=-1) / 127
+    weight = (w.reshape(w.shape[0], k // block, block) ** 2).sum(axis=-1)
     return 6 * np.sqrt(step**2 / 12 @ weight.T)
+
+
+def rounding_block(encoding: str) -> int:
+    """The values x is rounded over on the int8 paths: a block of the weights' type."""
+    return block_geometry(encoding)[0]
 
 
 def run(encoding: str, dot: str, x, blocks, b=None) -> np.ndarray:
@@ -103,15 +114,16 @@ def test_matches_numpy_on_dequantized_weights(encoding, dot, k, n):
     for m in ROWS:
         x = rng.standard_normal((m, k), dtype=np.float32)
         exact = x.astype(np.float64) @ w.T
-        rounded = encoding in K_QUANTS and dot in ROUNDED
-        atol = float_atol(k) + (int8_atol(x, w) / ROUNDED[dot] if rounded else 0)
+        rounded = encoding in K_QUANTS + INT8_32 and dot in ROUNDED
+        rounding = int8_atol(x, w, rounding_block(encoding)) / ROUNDED[dot] if rounded else 0
+        atol = float_atol(k) + rounding
         got = run(encoding, dot, x, blocks)
         assert np.all(np.abs(got - exact) <= atol), f"matmul m={m}"
         got = run(encoding, dot, x, blocks, b)
         assert np.all(np.abs(got - exact - b) <= atol), f"linear m={m}"
 
 
-@pytest.mark.parametrize("encoding", K_QUANTS)
+@pytest.mark.parametrize("encoding", K_QUANTS + INT8_32)
 def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
     """Blocks of x 10^4 apart in size, against weights that are zero under the large
     ones: a scale per row (or per call) would round the small blocks with the large
@@ -130,7 +142,8 @@ def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
     for dot, finer in ROUNDED.items():
         got = run(encoding, dot, x, blocks)
         assert np.all(np.isfinite(got))
-        assert np.all(np.abs(got - exact) <= float_atol(k) * 1e-2 + int8_atol(x, w) / finer), dot
+        bound = float_atol(k) * 1e-2 + int8_atol(x, w, rounding_block(encoding)) / finer
+        assert np.all(np.abs(got - exact) <= bound), dot
 
 
 @pytest.mark.parametrize("encoding", sorted(KERNEL_TYPES))

@@ -130,24 +130,19 @@ def _bytes(p: U8Ptr) -> SIMD[DType.uint8, V]:
 
 
 @always_inline
-def _high_bits(p: U8Ptr) -> UInt32:
-    """A Q5_0/Q5_1 block's 32 high bits (little-endian, any alignment)."""
-    return (
-        p.unsafe_load(0).cast[DType.uint32]()
-        | (p.unsafe_load(1).cast[DType.uint32]() << 8)
-        | (p.unsafe_load(2).cast[DType.uint32]() << 16)
-        | (p.unsafe_load(3).cast[DType.uint32]() << 24)
-    )
-
-
-@always_inline
-def _bit4[first: Int](qh: UInt32) -> SIMD[DType.uint8, V]:
-    """Bit 4 of weights first .. first+V-1 of a Q5_0/Q5_1 block: bit l of `qh` is
-    weight l's."""
-    var lanes = SIMD[DType.uint32, V](0)
-    comptime for l in range(V):
-        lanes[l] = UInt32(first + l)
-    return (((SIMD[DType.uint32, V](qh) >> lanes) & 1) << 4).cast[DType.uint8]()
+def _q5[at: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
+    """A Q5_0/Q5_1 block's 32 quants (0-31) in weight order: the 4 bytes at `at` hold
+    bit 4 of weight l in bit l % 8 of byte l // 8, the 16 after them the low nibbles
+    (weights 0-15) and high nibbles (16-31). Each high byte is spread over its 8
+    weights' lanes and tested against that lane's bit."""
+    var qh = (blk + at).unsafe_load[width=4](0)
+    comptime B8 = SIMD[DType.uint8, 8]
+    var spread = B8(qh[0]).join(B8(qh[1])).join(B8(qh[2]).join(B8(qh[3])))
+    var bit = B8(1, 2, 4, 8, 16, 32, 64, 128)
+    var bits = bit.join(bit).join(bit.join(bit))
+    var high = (spread & bits).ne(0).select(SIMD[DType.uint8, 32](16), SIMD[DType.uint8, 32](0))
+    var q = _bytes(blk + at + 4)
+    return (q & 0xF).join(q >> 4) | high
 
 
 @always_inline
@@ -163,12 +158,10 @@ def _decode[fmt: Int, g: Int](blk: U8Ptr) -> Tuple[FV, FV]:
     elif fmt == Q5_0 or fmt == Q5_1:
         # d, [Q5_1: m,] 4 bytes of high bits, 16 bytes of low nibbles as Q4_0's;
         # value (q - 16) d (Q5_0) or q d + m (Q5_1).
-        comptime at = 2 if fmt == Q5_0 else 4
         var d = FV(_half(blk))
-        var qh = _high_bits(blk + at)
-        var q = _bytes(blk + at + 4)
-        var lo = ((q & 0xF) | _bit4[0](qh)).cast[DType.float32]()
-        var hi = ((q >> 4) | _bit4[V](qh)).cast[DType.float32]()
+        var q = _q5[2 if fmt == Q5_0 else 4](blk).cast[DType.float32]()
+        var lo = q.slice[V, offset=0]()
+        var hi = q.slice[V, offset=V]()
         comptime if fmt == Q5_0:
             return (fma(lo, d, -16 * d), fma(hi, d, -16 * d))
         else:
@@ -795,6 +788,173 @@ def _packed_vnni[fmt: Int, terms: Int](
     xq.free()
 
 
+# ---- 32-value blocks (Q5_0, Q5_1, Q8_0) through 8-bit integer dot products ----------
+#
+# x is rounded to int8 per block of 32 (`_X8S`: x ~ dx q8, dx = max |x| / 127), as ggml's
+# Q8_0 rounds the activations these types multiply, with `terms` 2 the remainder again
+# on the step dx / 254. A weight row's blocks are taken two at a time (64 weights, one
+# vector): Q5_0's q - 16 and Q8_0's q are signed, so their magnitudes multiply x with
+# the weights' signs moved onto x (|w| <= 128 and |x| <= 127 keep vpmaddubsw's pair sums
+# inside int16); Q5_1's q is unsigned and its min adds m * sum(rounded x) per block. The integer
+# sums of the two blocks land in lanes 0-7 and 8-15 of one accumulator, each scaled by
+# its block's d dx in one float FMA.
+
+
+struct _X8S[terms: Int]:
+    """x[M, K] rounded to int8 per block of 32 (`q`, [M, K] plus a vector of slack for
+    the pairs' reads past a row's odd last block), the blocks' steps (`d`, [M, K / 32])
+    and the blocks' sums of the rounded x (`sums`, for Q5_1's min: the same x its
+    quants multiply, so the rounding error meets the weights d q + m whole); with
+    `terms` 2, `lo` rounds x - d q on the step d / 254."""
+
+    var q: I8Ptr
+    var lo: I8Ptr
+    var d: F32Ptr
+    var sums: F32Ptr
+
+    def __init__(out self, x: F32Ptr, M: Int, K: Int):
+        var nb = M * K // 32
+        self.q = alloc[Int8](M * K + 64, alignment=64)
+        self.lo = alloc[Int8](M * K + 64 if Self.terms == 2 else 1, alignment=64)
+        self.d = alloc[Float32](nb, alignment=64)
+        self.sums = alloc[Float32](nb, alignment=64)
+        for r in range(nb):
+            var src = x + 32 * r
+            var v0 = src.unsafe_load[width=16](0)
+            var v1 = src.unsafe_load[width=16](16)
+            var top = max(abs(v0), abs(v1)).reduce_max()
+            var d = top / 127
+            var inv = Float32(127) / top if top > 0 else Float32(0)
+            self.d.unsafe_store(r, d)
+            var q0 = round(v0 * inv)
+            var q1 = round(v1 * inv)
+            (self.q + 32 * r).unsafe_store(0, q0.cast[DType.int8]())
+            (self.q + 32 * r + 16).unsafe_store(0, q1.cast[DType.int8]())
+            var sum = (q0 + q1).reduce_add() * d
+            comptime if Self.terms == 2:
+                var l0 = round((v0 - q0 * d) * (inv * 254))
+                var l1 = round((v1 - q1 * d) * (inv * 254))
+                (self.lo + 32 * r).unsafe_store(0, l0.cast[DType.int8]())
+                (self.lo + 32 * r + 16).unsafe_store(0, l1.cast[DType.int8]())
+                sum += (l0 + l1).reduce_add() * (d / 254)
+            self.sums.unsafe_store(r, sum)
+        comptime for i in range(4):
+            (self.q + M * K + 16 * i).unsafe_store(0, SIMD[DType.int8, 16](0))
+            comptime if Self.terms == 2:
+                (self.lo + M * K + 16 * i).unsafe_store(0, SIMD[DType.int8, 16](0))
+
+    def free(self):
+        self.q.free()
+        self.lo.free()
+        self.d.free()
+        self.sums.free()
+
+
+@always_inline
+def _quants32[fmt: Int](blk: U8Ptr) -> SIMD[DType.int8, 32]:
+    """A 32-value block's quants in weight order: Q8_0's q, Q5_0's q - 16 (signed), or
+    Q5_1's q (unsigned, read as bytes)."""
+    comptime if fmt == Q8_0:
+        return (blk + 2).unsafe_bitcast[Int8]().unsafe_load[width=32](0)
+    else:
+        var u = _q5[2 if fmt == Q5_0 else 4](blk)
+        comptime if fmt == Q5_0:
+            return u.cast[DType.int8]() - 16
+        else:
+            return bitcast[DType.int8, 32](u)
+
+
+@always_inline
+def _lanes(a: Float32, b: Float32) -> FV:
+    """a in lanes 0-7, b in lanes 8-15."""
+    return SIMD[DType.float32, 8](a).join(SIMD[DType.float32, 8](b))
+
+
+@always_inline
+def _tile_vnni32[fmt: Int, terms: Int, mt: Int](
+    xq: _X8S[terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
+):
+    """y[m0 : m0+mt, n] for a row `n` of 32-value blocks, through 8-bit integer dot
+    products, two blocks at a time."""
+    comptime BS = block_bytes[fmt]()
+    comptime SIGNED = fmt != Q5_1
+    var ones = SIMD[DType.int16, 32](1)
+    var nb = K // 32
+    var acc = Array[FV, mt](fill=0)
+    var mins = Array[Float32, mt](fill=0)
+    var row = w + n * nb * BS
+    for blk in range(0, nb, 2):
+        var pa = row + blk * BS
+        prefetch[PrefetchOptions().for_read().medium_locality()](pa + 12 * BS)
+        var two = blk + 1 < nb
+        var qa = _quants32[fmt](pa)
+        var qb = _quants32[fmt](pa + BS) if two else SIMD[DType.int8, 32](0)
+        var wq = qa.join(qb)
+        var da = _half(pa)
+        var db = _half(pa + BS) if two else Float32(0)
+        var mag: QV
+        var neg = SIMD[DType.bool, 64](fill=False)
+        comptime if SIGNED:
+            neg = wq.lt(0)
+            mag = bitcast[DType.uint8, 64](abs(wq))
+        else:
+            mag = bitcast[DType.uint8, 64](wq)
+        comptime for i in range(mt):
+            var r = (m0 + i) * nb + blk
+            var o = (m0 + i) * K + blk * 32
+            var x8 = (xq.q + o).unsafe_load[width=64](0)
+            comptime if SIGNED:
+                x8 = neg.select(-x8, x8)
+            var isum = _dot8(IV(0), mag, x8, ones)
+            var dxa = xq.d.unsafe_load(r)
+            var dxb = xq.d.unsafe_load(r + 1) if two else Float32(0)
+            var scale = _lanes(da * dxa, db * dxb)
+            acc[i] = fma(isum.cast[DType.float32](), scale, acc[i])
+            comptime if terms == 2:
+                var l8 = (xq.lo + o).unsafe_load[width=64](0)
+                comptime if SIGNED:
+                    l8 = neg.select(-l8, l8)
+                var lsum = _dot8(IV(0), mag, l8, ones)
+                acc[i] = fma(lsum.cast[DType.float32](), scale * (1.0 / 254), acc[i])
+            comptime if fmt == Q5_1:
+                var sa = xq.sums.unsafe_load(r)
+                var sb = xq.sums.unsafe_load(r + 1) if two else Float32(0)
+                mins[i] += _half(pa + 2) * sa + (_half(pa + BS + 2) * sb if two else Float32(0))
+    comptime for i in range(mt):
+        var s = acc[i].reduce_add() + mins[i]
+        if has_bias:
+            s += b.unsafe_load(n)
+        y.unsafe_store((m0 + i) * N + n, s)
+
+
+@always_inline
+def _row_vnni32[fmt: Int, terms: Int](
+    xq: _X8S[terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
+):
+    var m0 = m_begin
+    while m0 + MT <= m_end:
+        _tile_vnni32[fmt, terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
+        m0 += MT
+    comptime for rest in range(1, MT):
+        if m_end - m0 == rest:
+            _tile_vnni32[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
+
+
+def _packed_vnni32[fmt: Int, terms: Int](
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    var xq = _X8S[terms](x, M, K)
+
+    def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        _row_vnni32[fmt, terms](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
+
+    _share_rows(row, M, N, ntasks, ctx)
+    xq.free()
+
+
 comptime DOT_AUTO = 0
 comptime DOT_F32 = 1
 comptime DOT_BF16 = 2
@@ -806,7 +966,12 @@ def dot_path[fmt: Int, dot: Int]() -> Int:
     """The arithmetic of every step: for DOT_AUTO the fastest this CPU has for the
     format, int8 (VNNI), bfloat16 or float32; a named one if it has it, else float32
     (the exact one: a test of a named path then holds wherever it runs)."""
-    comptime if not (fmt == Q4_K or fmt == Q5_K or fmt == Q6_K):
+    comptime if fmt == Q4_0:
+        return DOT_F32
+    comptime if fmt == Q5_0 or fmt == Q5_1 or fmt == Q8_0:
+        # No bfloat16 path: int8 where the CPU has VNNI, else float32.
+        if dot == DOT_AUTO or dot == DOT_INT8 or dot == DOT_INT8X2:
+            return (DOT_INT8X2 if dot == DOT_AUTO else dot) if VNNI_DOT else DOT_F32
         return DOT_F32
     if dot == DOT_AUTO:
         return DOT_INT8X2 if VNNI_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
@@ -822,7 +987,10 @@ def packed_matmul[fmt: Int, dot: Int](
     comptime path = dot_path[fmt, dot]()
     comptime if path == DOT_INT8 or path == DOT_INT8X2:
         comptime terms = 2 if path == DOT_INT8X2 else 1
-        _packed_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        comptime if fmt == Q5_0 or fmt == Q5_1 or fmt == Q8_0:
+            _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        else:
+            _packed_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
     elif path == DOT_BF16:
         _packed_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
