@@ -185,8 +185,8 @@ def convert_gguf_state_dict(
         converted[name] = WeightData.from_numpy(_float32(key, tensor), name)
     if dequantized:
         logger.info(
-            f"{PACKAGE}: no packed kernel for %d GGUF tensor(s), dequantized to float32 at "
-            "load: %s",
+            f"{PACKAGE}: %d GGUF tensor(s) dequantized to float32 at load (embedding tables "
+            "are gathered as float rows; other types have no packed kernel): %s",
             len(dequantized),
             ", ".join(dequantized),
         )

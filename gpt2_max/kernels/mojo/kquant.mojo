@@ -24,8 +24,9 @@ fastest the CPU has that keeps the float result:
   takes fewer instructions per weight than a bfloat16 one, so two terms still beat
   the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
 - bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
-- float32: every weight decoded to float32 in registers (`_tile`); the 32-weight
-  block types (Q4_0, Q5_0, Q5_1, Q8_0) always run this way.
+- float32: every weight decoded to float32 in registers (`_tile`); Q4_0 always runs
+  this way, and Q5_0, Q5_1 and Q8_0 where the CPU lacks VNNI (with it they take an
+  int8x2 path of their own, `_tile_vnni32`, against x rounded per block of 32).
 int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
 llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
 projections of the Q4_K_M parity test (`tests/weights/test_gguf.py`) it costs greedy
