@@ -22,9 +22,9 @@ class Encoding:
     """GGUF blocks kept packed in memory and multiplied as blocks (CPU only): by MAX's
     CPU `qmatmul` where `flag` (MAX names exactly the block types it multiplies), else
     by the package's kernel."""
-    kernel_type: int | None = None
-    """The GGML type id the package's packed kernel is specialised on
-    (`kernels/mojo/kquant.mojo`), where it decodes the type."""
+    kernel: bool = False
+    """The package's packed kernel (`kernels/mojo/kquant.mojo`) decodes it, specialised
+    on its GGML type id (`KERNEL_TYPES`)."""
 
 
 ENCODINGS: dict[str, Encoding] = {
@@ -32,16 +32,16 @@ ENCODINGS: dict[str, Encoding] = {
     "float32": Encoding(flag=True),
     # MAX's default on a GPU (it casts a float32 default there); GPU only.
     "bfloat16": Encoding(flag=True),
-    "q4_0": Encoding(flag=True, packed=True, kernel_type=2),
-    "q4_k": Encoding(flag=True, packed=True, kernel_type=12),
-    "q6_k": Encoding(flag=True, packed=True, kernel_type=14),
+    "q4_0": Encoding(flag=True, packed=True, kernel=True),
+    "q4_k": Encoding(flag=True, packed=True, kernel=True),
+    "q6_k": Encoding(flag=True, packed=True, kernel=True),
     # No `--quantization-encoding` value of MAX's; kept packed inside a GGUF and
     # multiplied by the package's kernel. Q5_0, Q5_1 and Q8_0 are what llama.cpp's
     # k-quant mixes write for rows k-quants cannot block by 256 (gpt2-xl's 1600).
-    "q5_k": Encoding(flag=False, packed=True, kernel_type=13),
-    "q5_0": Encoding(flag=False, packed=True, kernel_type=6),
-    "q5_1": Encoding(flag=False, packed=True, kernel_type=7),
-    "q8_0": Encoding(flag=False, packed=True, kernel_type=8),
+    "q5_k": Encoding(flag=False, packed=True, kernel=True),
+    "q5_0": Encoding(flag=False, packed=True, kernel=True),
+    "q5_1": Encoding(flag=False, packed=True, kernel=True),
+    "q8_0": Encoding(flag=False, packed=True, kernel=True),
 }
 
 SUPPORTED_ENCODINGS = frozenset(name for name, e in ENCODINGS.items() if e.flag)
@@ -56,7 +56,9 @@ packing)."""
 KEPT_PACKED = frozenset(name for name, e in ENCODINGS.items() if e.packed)
 """Block types whose matmul weights stay packed when a GGUF holds them."""
 
-KERNEL_TYPES = {name: e.kernel_type for name, e in ENCODINGS.items() if e.kernel_type is not None}
+KERNEL_TYPES = {
+    name: int(gguf.GGMLQuantizationType[name.upper()]) for name, e in ENCODINGS.items() if e.kernel
+}
 """Block types the package's packed kernel decodes, with the GGML type id it is specialised on."""
 
 
