@@ -91,4 +91,5 @@ class GPT2BatchProcessor(ModuleV3SingleReplicaBatchProcessor[TextContext, GPT2In
             ),
             input_row_offsets=Buffer.from_numpy(row_offsets).to(device),
             kv_cache_inputs=kv_cache_inputs,
+            contexts=contexts,
         )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from max import tree
 from max.driver import Buffer
+from max.pipelines.context import TextContext
 from max.pipelines.lib import ModelInputs
 
 
@@ -25,6 +27,10 @@ returns last-token or all logits, never a variable number."""
 
     input_row_offsets: Buffer
     """`[batch + 1]` uint32: where each sequence's tokens start and end."""
+
+    contexts: Sequence[TextContext] = field(default=(), repr=False)
+    """The rows, in order: what a decode burst (`gpt2_max.bursts`) reads and
+hands its tokens to. Not a graph input."""
 
     @property
     def buffers(self) -> tuple[Buffer, ...]:

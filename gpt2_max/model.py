@@ -26,6 +26,7 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
 
 from .batch_processor import GPT2BatchProcessor
+from .bursts import DecodeBursts
 from .cpu_runtime import CPURuntimePolicy
 from .gpt2 import GPT2
 from .layers import layers_for, uses_fast_layers
@@ -63,14 +64,16 @@ def announce_compile(encoding: object, on_host: bool = True) -> None:
 
 
 class GPT2PipelineModel(
+    DecodeBursts,
     CPURuntimePolicy, LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]
 ):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching.
 
     `_create_model_config`, `_prepare_state_dict` and `_instantiate_module` are what
     MAX asks of a ModuleV3 architecture. The bases before MAX's add the package's
-    speed policy (`cpu_runtime`) and log-probabilities compiled on first use
-    (`shims.log_probabilities`); either can be dropped on its own.
+    speed policies (several decode steps a pass, `bursts`; MAX's CPU threads and
+    `execute_raw`, `cpu_runtime`) and log-probabilities compiled on first use
+    (`shims.log_probabilities`); each can be dropped on its own.
     """
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig

@@ -30,8 +30,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from max.pipelines.context import TextContext
 
+from ..bursts import BurstContext
 from ..names import env_var
 from .internals import run_again
 
@@ -61,7 +61,7 @@ def only_allowed_token(matcher: object, vocab_size: int) -> int | None:
 
 
 @dataclass(kw_only=True)
-class FastForwardContext(TextContext):
+class FastForwardContext(BurstContext):
     """`TextContext` whose matcher step appends the tokens the grammar forces next."""
 
     def advance_token_buffer(self, new_token: int, log_probabilities=None) -> None:

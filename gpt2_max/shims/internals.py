@@ -100,3 +100,51 @@ def openai_response_format(response_format: dict[str, Any]) -> Any:
     from max.serve.router.openai_routes import _create_response_format
 
     return _create_response_format(response_format, enable_response_format_schema=True)
+
+
+def sampler_graph(session: Any, pipeline_config: Any, device: Device) -> Any:
+    """MAX's token sampler graph (`TopKSampler`), compiled as the text pipeline compiles
+    its own: same config, same device, same vocabulary bound, so the compile is
+    the one MAX's cache already holds (or will, the pipeline's own a moment later).
+    """
+    from max.graph import DeviceRef
+    from max.pipelines.lib.graph_specs import GraphRole
+    from max.pipelines.lib.pipeline_variants.text_generation import load_sampler_graphs
+
+    vocab_size = pipeline_config.model.huggingface_config.vocab_size
+    _, samplers = load_sampler_graphs(
+        session, pipeline_config, DeviceRef.from_device(device), vocab_size
+    )
+    return samplers[GraphRole.SAMPLER]
+
+
+def sampler_inputs(contexts: Any, device: Device) -> Any:
+    """The per-row sampling tensors MAX's `FusedSamplingProcessor` gives its sampler
+    (temperature, top-k, top-p, min-p, each row's seed for its next token)."""
+    from max.pipelines.sampling.sampling_logits_processor import SamplerInputs
+
+    return SamplerInputs.create(contexts, device)
+
+
+def min_tokens_masks(contexts: Any, steps: int, device: Device, enabled: bool) -> Any:
+    """MAX's end-of-text masks for `steps` steps from each row's current position
+    (`None` when the sampler was built without `min_tokens`)."""
+    from max.pipelines.sampling.sampling_logits_processor import _build_min_tokens_masks
+
+    return _build_min_tokens_masks(contexts, steps, device, enabled)
+
+
+def sample_logits(sampler: Any, logits: Any, generated: Any, inputs: Any, mask: Any) -> Any:
+    """One call of MAX's sampler graph as its `FusedSamplingProcessor` makes it:
+    (new tokens, generated tokens so far, next seed)."""
+    from max.pipelines.sampling.sampling_logits_processor import _sample_logits
+
+    return _sample_logits(sampler, logits, generated, inputs, min_tokens_mask=mask)
+
+
+def row_seed(context: Any) -> int:
+    """The Philox key MAX's sampler gives `context`'s row: its seed advanced by the
+    number of tokens it holds, so the key of each later token is this plus one."""
+    from max.pipelines.sampling.seeds import request_row_seed
+
+    return request_row_seed(context)

@@ -1,0 +1,26 @@
+"""Decode bursts: several decode steps in one pass of MAX's loop.
+
+MAX 26.7 runs one decode step per `execute`, and on the CPU each pass of its
+loop around that step (the scheduler, `prepare_batch`, the sampler's set-up,
+metrics, a message to the API process) costs a good share of a small model's
+step. A burst pays for that loop once every `K` tokens:
+
+- `DecodeBursts` (mixed into the pipeline model): when every row of a batch is
+  decoding one token, the model runs the graph, samples its logits with MAX's
+  own sampler graph and sampling inputs, and runs the graph again on that token,
+  up to `K` steps, inside the KV pages MAX already gave each row. It returns the
+  first step's logits, as ever, and hands each row the tokens it made.
+- `BurstContext` (the architecture's context type): when MAX commits a row's
+  first token, and only if that token is the one the burst sampled from the
+  same logits, the context appends the rest, so MAX's own end-of-text,
+  `max_tokens` and window checks see every token and one output carries them.
+
+Rows that need what only MAX's loop does per token (log-probabilities, a
+grammar, logits processors, penalties, echo) and chunked or mixed prefill
+batches run one step a pass. `GPT2_MAX_DECODE_STEPS` sets `K`; 1 turns bursts off.
+"""
+
+from .context import BurstContext
+from .model import DecodeBursts, decode_steps
+
+__all__ = ["BurstContext", "DecodeBursts", "decode_steps"]

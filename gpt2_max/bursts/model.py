@@ -1,0 +1,164 @@
+"""The pipeline-model side of a decode burst: run, sample, run again."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.nn.kv_cache.utils import build_max_lengths_tensors
+from max.nn.transformer import ReturnLogits
+from max.pipelines.context import TextContext
+from max.pipelines.lib import ModelInputs, ModelOutputs
+
+from ..inputs import GPT2Inputs
+from ..names import env_var
+from ..shims import internals
+from .context import BurstContext, extra_steps
+
+ENV = env_var("DECODE_STEPS")
+
+DEFAULT_STEPS = 8
+"""Decode steps per pass on the CPU unless `GPT2_MAX_DECODE_STEPS` says otherwise
+(chosen by `benchmarks/bench_bursts.py`)."""
+
+
+def decode_steps(on_host: bool) -> int:
+    """The burst length `K` of this process: the setting, else `DEFAULT_STEPS` on the
+    CPU and 1 (no bursts) on an accelerator, where bursts have not been measured."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return DEFAULT_STEPS if on_host else 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ENV}={raw!r}: give a whole number of decode steps, 1 or more.")
+    return int(raw)
+
+
+class BurstSampling:
+    """MAX's sampler over one burst's rows: the sampling inputs built once, as
+    MAX's `FusedSamplingProcessor` builds them, and each step's seeds advanced as
+    MAX's would be after each token."""
+
+    def __init__(self, sampler: Any, contexts: Sequence[TextContext], steps: int,
+                 device: Device, min_tokens: bool) -> None:
+        self._sampler = sampler
+        self._device = device
+        self._inputs = internals.sampler_inputs(contexts, device)
+        self._seeds = np.array([internals.row_seed(c) for c in contexts], dtype=np.uint64)
+        self._masks = internals.min_tokens_masks(contexts, steps, device, min_tokens)
+        self._generated = Buffer(shape=(len(contexts), 0), dtype=DType.int64, device=device)
+
+    def sample(self, logits: Buffer, step: int) -> np.ndarray:
+        """The tokens MAX's sampler picks from the burst's `step`-th logits."""
+        inputs = self._inputs
+        if step:
+            seeds = Buffer.from_numpy(self._seeds + np.uint64(step)).to(self._device)
+            inputs = dataclasses.replace(inputs, seed=seeds)
+        if logits.device != self._device:
+            logits = logits.to(self._device)
+        tokens, self._generated, _ = internals.sample_logits(
+            self._sampler, logits, self._generated, inputs,
+            self._masks[step] if self._masks else None,
+        )
+        return tokens.to_numpy().reshape(-1).astype(np.int64)
+
+
+def next_step_inputs(
+    first: GPT2Inputs, positions: np.ndarray, tokens: np.ndarray, step: int, kv_params: Any
+) -> GPT2Inputs:
+    """The inputs of a burst's `step`-th step: every row's newest token one position
+    further, its KV entry one past the cache (the same pages, the same table)."""
+    device = first.tokens.device
+    at = positions + step
+    (kv,) = first.kv_cache_inputs
+    longest = int(at.max()) + 1
+    max_prompt, max_cache = build_max_lengths_tensors(1, longest)
+    dispatch = kv.attention_dispatch_metadata
+    if dispatch is not None:
+        key = kv_params.resolve_attn_key(len(at), 1, longest)
+        (dispatch,) = key.dispatch_metadata_buffers(
+            None, name="", devices=[device], max_cache_valid_length=longest
+        )
+    kv = dataclasses.replace(
+        kv,
+        cache_lengths=Buffer.from_numpy(at.astype(np.uint32)).to(device),
+        max_prompt_length=max_prompt,
+        max_cache_length=max_cache,
+        attention_dispatch_metadata=dispatch,
+    )
+    return dataclasses.replace(
+        first,
+        tokens=Buffer.from_numpy(tokens).to(device),
+        position_ids=Buffer.from_numpy(at).to(device),
+        kv_cache_inputs=(kv,),
+    )
+
+
+class DecodeBursts:
+    """Mixin for the pipeline model: pure-decode batches run up to `K` steps an
+    `execute` (see the package doc). Its `execute` returns what the one-step loop
+    returns; the further tokens reach MAX through `BurstContext`."""
+
+    _burst_steps = 1
+    _burst_sampler: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # MAX hands the pipeline's session to the model's constructor only, and
+        # loads the graph inside it; the sampler graph is loaded into the same one.
+        self._session = kwargs["session"] if "session" in kwargs else args[1]
+        super().__init__(*args, **kwargs)
+
+    def load_model(self) -> Callable[..., Any]:
+        compiled = super().load_model()  # type: ignore[misc]
+        config = self.pipeline_config  # type: ignore[attr-defined]
+        sampling = config.sampling
+        device = self.devices[0]  # type: ignore[attr-defined]
+        steps = decode_steps(device.is_host)
+        # Per-token work MAX's loop does that a burst cannot: all logits (echo),
+        # penalties over the tokens so far, variable logits.
+        if (self.return_logits is ReturnLogits.LAST_TOKEN  # type: ignore[attr-defined]
+                and not sampling.enable_penalties and not sampling.enable_variable_logits
+                and steps > 1):
+            self._sampler_device = device
+            self._burst_sampler = internals.sampler_graph(
+                self._session, config, self._sampler_device
+            )
+            self._burst_steps = steps
+        return compiled
+
+    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
+        outputs = super().execute(model_inputs)  # type: ignore[misc]
+        if self._burst_steps > 1 and isinstance(model_inputs, GPT2Inputs):
+            self._burst(model_inputs, outputs)
+        return outputs
+
+    def _burst(self, first: GPT2Inputs, outputs: ModelOutputs) -> None:
+        contexts = first.contexts
+        if not contexts:
+            return
+        page_size = self.kv_params.page_size  # type: ignore[attr-defined]
+        extra = min(self._burst_steps - 1, *(extra_steps(c, page_size) for c in contexts))
+        if extra <= 0:
+            return
+        sampling = BurstSampling(
+            self._burst_sampler, contexts, extra + 1, self._sampler_device,
+            self.pipeline_config.sampling.enable_min_tokens,  # type: ignore[attr-defined]
+        )
+        positions = np.array([c.tokens.processed_length for c in contexts], dtype=np.int64)
+        ends = [set() if c.ignore_eos else c.eos_tracker.eos_token_ids for c in contexts]
+        tokens = sampling.sample(outputs.next_token_logits, 0)
+        made = [tokens]
+        for step in range(1, extra + 1):
+            if all(int(t) in end for t, end in zip(tokens, ends, strict=True)):
+                break  # every row has ended; nothing more to make
+            inputs = next_step_inputs(first, positions, tokens, step, self.kv_params)  # type: ignore[attr-defined]
+            step_outputs = super().execute(inputs)  # type: ignore[misc]
+            tokens = sampling.sample(step_outputs.next_token_logits, step)
+            made.append(tokens)
+        for context, row in zip(contexts, np.stack(made, axis=1).tolist(), strict=True):
+            assert isinstance(context, BurstContext)
+            context.expect_burst(row)
