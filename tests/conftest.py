@@ -24,7 +24,9 @@ from gpt2_max.testing.reference import (
     Reference,
     load_reference,
     random_state_dict,
+    save_gguf,
     save_transformers_layout,
+    write_tiny_checkpoint,
 )
 from gpt2_max.tools.checkpoint import save_hub_checkpoint
 
@@ -156,3 +158,28 @@ def generator(checkpoints: Callable[[str, str], Path]) -> Iterator[Generator]:
     """
     with Generator(checkpoints("default", "hub"), device="cpu", max_batch_size=8) as loaded:
         yield loaded
+
+
+QUANTIZED = dict(n_embd=256)
+"""K-quant blocks hold 256 values, so rows (n_embd, 4 * n_embd) must be multiples of 256."""
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory) -> Callable[[GPT2LMHeadModel, str], Path]:
+    """The GGUF of (reference model, file type) in its own servable folder, written once."""
+    cache: dict[tuple[int, str], Path] = {}
+
+    def get(model: GPT2LMHeadModel, file_type: str) -> Path:
+        key = (id(model), file_type)
+        if key not in cache:
+            cache[key] = save_gguf(model, tmp_path_factory.mktemp(f"gguf-{file_type}"), file_type)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized_model(tmp_path_factory) -> GPT2LMHeadModel:
+    """A reference model whose rows k-quants can block (`QUANTIZED`)."""
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("quantized"), **QUANTIZED)
+    return load_reference(folder)

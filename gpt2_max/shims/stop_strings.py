@@ -10,7 +10,10 @@ stop strings off the request before MAX sees them and applies
 `gpt2_max.stop.StopScanner` to the chunks that generator yields: text that
 could still begin a stop is held back, the chunk that completes one is cut
 before it and ends the response as END_OF_SEQUENCE (finish_reason "stop"),
-and the model worker is told to stop generating. Without a match the held-back
+and the model worker is told to stop generating. A chunk of several tokens (a
+decode burst, forced tokens) keeps its tokens up to the one that completes the
+stop, as one token a chunk would have: the ids and the token count a client
+sees do not depend on how the worker grouped them. Without a match the held-back
 text goes out with the last chunk, whose finish reason stands.
 
 It wraps only pipelines whose tokenizer is gpt2-max's, and only on the MAX
@@ -21,14 +24,14 @@ it is.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from max.pipelines.context import GenerationStatus
 from max.serve.pipelines.llm import TokenGeneratorOutput, TokenGeneratorPipeline
 
-from ..stop import StopScanner
+from ..stop import StopScanner, first_stop
 
 NEEDED_FOR = ("26.7.",)
 """MAX releases (version prefixes) whose serving layer does not cut at stop strings exactly."""
@@ -39,22 +42,51 @@ def needed(max_version: str | None = None) -> bool:
     return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
 
 
+def tokens_to_stop(
+    before: list[int], ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]
+) -> int:
+    """How many of a chunk's `ids` it takes, after the tokens `before` it, for the
+    text to hold a stop string (all of them when no shorter run does)."""
+    for n in range(1, len(ids)):
+        if first_stop(decode(before + ids[:n]), stops) is not None:
+            return n
+    return len(ids)
+
+
+def up_to(chunk: TokenGeneratorOutput, n: int) -> TokenGeneratorOutput:
+    """`chunk` holding only its first `n` tokens' ids, count and log-probabilities."""
+    lists = ("token_ids", "token_log_probabilities", "top_log_probabilities", "sampled_tokens")
+    return replace(chunk, token_count=n, **{
+        name: value[:n] for name in lists if (value := getattr(chunk, name)) is not None
+    })
+
+
 async def cut_at_stops(
     chunks: AsyncGenerator[TokenGeneratorOutput, None],
     scanner: StopScanner,
     stop_generating: Callable[[], None],
+    decode: Callable[[list[int]], str] | None = None,
 ) -> AsyncGenerator[TokenGeneratorOutput, None]:
-    """`chunks` with their text cut before the first stop string, ending at it."""
+    """`chunks` with their text cut before the first stop string, ending at it.
+
+    `decode` (token ids to text) finds the token that completes the stop in a
+    chunk of several; without it such a chunk keeps all its tokens.
+    """
+    seen: list[int] = []
     try:
         async for chunk in chunks:
             text = scanner.feed(chunk.decoded_tokens or "")
             if scanner.stopped:
                 if not chunk.status.is_done:
                     stop_generating()
+                ids = chunk.token_ids or []
+                if decode is not None and chunk.token_count == len(ids) > 1:
+                    chunk = up_to(chunk, tokens_to_stop(seen, ids, scanner.stops, decode))
                 yield replace(
                     chunk, decoded_tokens=text or None, status=GenerationStatus.END_OF_SEQUENCE
                 )
                 return
+            seen += chunk.token_ids or []
             if chunk.status.is_done:
                 text += scanner.flush()
             yield replace(chunk, decoded_tokens=text or None)
@@ -89,8 +121,10 @@ def install(tokenizer_type: type) -> None:
             return await original(self, request, **kwargs)
         request = replace(request, sampling_params=replace(request.sampling_params, stop=None))
         chunks = await original(self, request, **kwargs)
+        delegate = self.tokenizer.delegate
         return cut_at_stops(
-            chunks, StopScanner(stops), lambda: self.model_worker.cancel(request.request_id)
+            chunks, StopScanner(stops), lambda: self.model_worker.cancel(request.request_id),
+            lambda ids: delegate.decode(ids, skip_special_tokens=True),
         )
 
     next_token_chunk.cuts_at_stops = True  # type: ignore[attr-defined]

@@ -56,3 +56,40 @@ def test_chunks_are_cut_at_the_first_stop_and_nothing_after_it_is_read() -> None
 def test_only_max_releases_that_need_it_are_patched() -> None:
     assert needed("26.7.0")
     assert not needed("26.8.0")
+
+
+def cut_ids(groups: list[list[int]], stops: list[str], alphabet: str) -> tuple[list[int], int, str]:
+    """Token ids, token count and text the routes see when the worker sends `groups`."""
+    decode = lambda ids: "".join(alphabet[i] for i in ids)  # noqa: E731
+
+    async def source():
+        for i, ids in enumerate(groups):
+            status = GenerationStatus.MAXIMUM_LENGTH if i == len(groups) - 1 else (
+                GenerationStatus.ACTIVE)
+            yield TokenGeneratorOutput(status=status, decoded_tokens=decode(ids) or None,
+                                       token_count=len(ids), token_ids=list(ids))
+
+    async def run():
+        cut = cut_at_stops(source(), StopScanner(stops), lambda: None, decode)
+        return [c async for c in cut]
+
+    out = asyncio.run(run())
+    return (sum((c.token_ids for c in out), []), sum(c.token_count for c in out),
+            "".join(c.decoded_tokens or "" for c in out))
+
+
+def test_a_chunk_of_several_tokens_keeps_those_up_to_the_stop() -> None:
+    """Grouping the same tokens into chunks (as a decode burst does) changes nothing
+    a client sees: ids, count and text are those of one token a chunk."""
+    rng = random.Random(5)
+    alphabet = ["a", "b", " ", "c", "ab", ""]
+    for _ in range(500):
+        ids = [rng.randrange(len(alphabet)) for _ in range(16)]
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 3)))
+                 for _ in range(rng.randint(1, 3))]
+        groups, at = [], 0
+        while at < len(ids):
+            size = rng.randint(1, 8)
+            groups.append(ids[at:at + size])
+            at += size
+        assert cut_ids(groups, stops, alphabet) == cut_ids([[i] for i in ids], stops, alphabet)

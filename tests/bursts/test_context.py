@@ -1,0 +1,109 @@
+"""`BurstContext` and the rules that decide how far a burst may run a row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.pipelines.context import TextContext, TokenBuffer
+from max.pipelines.context.eos_tracking import EOSTracker
+from max.pipelines.context.status import GenerationStatus
+
+from gpt2_max.bursts import BurstContext, decode_steps
+from gpt2_max.bursts.context import extra_steps
+from gpt2_max.bursts.model import DEFAULT_STEPS, ENV
+
+pytestmark = pytest.mark.tier("unit")
+
+PAGE = 128
+EOS = 50256
+
+
+def decoding(prompt_length: int, *, cls: type = BurstContext, max_length: int = 1024,
+             **fields) -> TextContext:
+    """A context past its prefill: the prompt processed, one sampled token active."""
+    context = cls(max_length=max_length, tokens=TokenBuffer(np.arange(prompt_length) + 100),
+                  eos_tracker=EOSTracker(eos_token_ids={EOS}), **fields)
+    context.update(7)
+    return context
+
+
+def test_a_burst_runs_to_the_end_of_the_rows_last_page():
+    # 125 prompt tokens and one new: the page holds two more.
+    assert extra_steps(decoding(125), PAGE) == 2
+    assert extra_steps(decoding(127), PAGE) == 0
+    assert extra_steps(decoding(10), PAGE) == PAGE - 11
+
+
+def test_a_burst_stops_short_of_the_window():
+    assert extra_steps(decoding(10, max_length=15), PAGE) == 3
+
+
+@pytest.mark.parametrize("fields", [
+    dict(log_probabilities=2), dict(log_probabilities_echo=True),
+    dict(json_schema="{}"), dict(grammar="root ::= \"a\""),
+])
+def test_rows_that_need_maxs_loop_each_token_get_no_burst(fields):
+    assert extra_steps(decoding(10, **fields), PAGE) == 0
+
+
+def test_prefills_and_plain_contexts_get_no_burst():
+    prefill = BurstContext(max_length=1024, tokens=TokenBuffer(np.arange(10)))
+    assert extra_steps(prefill, PAGE) == 0
+    assert extra_steps(decoding(10, cls=TextContext), PAGE) == 0
+
+
+def test_the_burst_joins_the_token_max_committed():
+    context = decoding(10)
+    context.expect_burst([11, 12, 13])
+    context.update(11)
+    assert list(context.tokens.generated) == [7, 11, 12, 13]
+    # The KV of 11 and 12 was written by the burst; 13 is the next step's input.
+    assert context.tokens.processed_length == 13
+    assert list(context.tokens.active) == [13]
+    assert context.to_generation_output().tokens == [7, 11, 12, 13]
+
+
+def test_a_token_max_sampled_otherwise_drops_the_burst_for_good():
+    context = decoding(10)
+    context.expect_burst([11, 12, 13])
+    context.update(99)
+    assert list(context.tokens.generated) == [7, 99]
+    assert context.bursts_off
+    assert extra_steps(context, PAGE) == 0
+    assert not BurstContext.bursts_off  # the class's default is untouched
+
+
+def test_the_burst_ends_at_end_of_text_and_at_the_length_limit():
+    context = decoding(10)
+    context.expect_burst([11, EOS, 13])
+    context.update(11)
+    assert list(context.tokens.generated) == [7, 11, EOS]
+    assert context.status == GenerationStatus.END_OF_SEQUENCE
+
+    context = decoding(10, max_length=13)
+    context.expect_burst([11, 12, 13, 14])
+    context.update(11)
+    assert list(context.tokens.generated) == [7, 11, 12]
+    assert context.status == GenerationStatus.MAXIMUM_LENGTH
+
+
+def test_a_burst_is_used_once():
+    context = decoding(10)
+    context.expect_burst([11, 12])
+    context.update(11)
+    context.update(20)
+    assert list(context.tokens.generated) == [7, 11, 12, 20]
+
+
+def test_decode_steps_setting(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert decode_steps(on_host=True) == DEFAULT_STEPS
+    assert decode_steps(on_host=False) == 1
+    monkeypatch.setenv(ENV, "1")
+    assert decode_steps(on_host=True) == 1
+    monkeypatch.setenv(ENV, "4")
+    assert decode_steps(on_host=False) == 4
+    for bad in ("0", "-2", "four"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=ENV):
+            decode_steps(on_host=True)
