@@ -84,7 +84,7 @@ def _all_of(result: dict, generated: int, max_tokens: int, url: str) -> dict:
     return result
 
 
-def _completion_token_ids(event: dict[str, Any]) -> list[int]:
+def completion_token_ids(event: dict[str, Any]) -> list[int]:
     choices = event.get("choices")
     return (choices[0].get("token_ids") or []) if choices else []
 
@@ -97,7 +97,7 @@ async def max_completion(
     body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens, "stream": True,
             **MAX_GREEDY}
     url = f"{base_url}/v1/completions"
-    result = await stream(client, url, body, _completion_token_ids, on_first_token)
+    result = await stream(client, url, body, completion_token_ids, on_first_token)
     return _all_of(result, len(result["tokens"]), max_tokens, url)
 
 

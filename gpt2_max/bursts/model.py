@@ -105,34 +105,27 @@ class DecodeBursts:
 
     _burst_steps = 1
     _burst_sampler: Any = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # MAX hands the pipeline's session to the model's constructor only, and
-        # loads the graph inside it; the sampler graph is loaded into the same one.
-        self._session = kwargs["session"] if "session" in kwargs else args[1]
-        super().__init__(*args, **kwargs)
+    _sampler_device: Device | None = None
 
     def load_model(self) -> Callable[..., Any]:
         compiled = super().load_model()  # type: ignore[misc]
-        config = self.pipeline_config  # type: ignore[attr-defined]
-        sampling = config.sampling
-        device = self.devices[0]  # type: ignore[attr-defined]
-        steps = decode_steps(device.is_host)
-        # Per-token work MAX's loop does that a burst cannot: all logits (echo),
+        sampling = self.pipeline_config.sampling  # type: ignore[attr-defined]
+        # What MAX's loop does per token that a burst does not: all logits (echo),
         # penalties over the tokens so far, variable logits.
         if (self.return_logits is ReturnLogits.LAST_TOKEN  # type: ignore[attr-defined]
-                and not sampling.enable_penalties and not sampling.enable_variable_logits
-                and steps > 1):
-            self._sampler_device = device
-            self._burst_sampler = internals.sampler_graph(
-                self._session, config, self._sampler_device
-            )
-            self._burst_steps = steps
+                and not sampling.enable_penalties and not sampling.enable_variable_logits):
+            self._burst_steps = decode_steps(self.devices[0].is_host)  # type: ignore[attr-defined]
         return compiled
+
+    def adopt_sampler(self, sampler: Any, device: Device) -> None:
+        """The text pipeline's own sampler graph, handed over once the pipeline is
+        built (`shims.shared_sampler`): until then, and without it, no bursts."""
+        self._burst_sampler, self._sampler_device = sampler, device
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
         outputs = super().execute(model_inputs)  # type: ignore[misc]
-        if self._burst_steps > 1 and isinstance(model_inputs, GPT2Inputs):
+        if (self._burst_steps > 1 and self._burst_sampler is not None
+                and isinstance(model_inputs, GPT2Inputs)):
             self._burst(model_inputs, outputs)
         return outputs
 

@@ -9,8 +9,9 @@ and why, so nothing else in the package imports a private MAX name:
   estimator's free-memory query, the quantization-encoding resolver, the GGUF
   reader under `GGUFWeights`, the quantized CPU kernels' op names, the row-seed
   stride of MAX's generate loop, a graph tensor's value, a token buffer's
-  processing window, the server's grammar backend factory, and the chat
-  route's conversion of an OpenAI `response_format`).
+  processing window, the server's grammar backend factory, the chat route's
+  conversion of an OpenAI `response_format`, and the sampler's inputs, seeds,
+  masks and call as the text pipeline makes them).
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
@@ -20,6 +21,8 @@ and why, so nothing else in the package imports a private MAX name:
   architecture's context type.
 - `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
   first use instead of at every start.
+- `shared_sampler`: the text pipeline's token sampler handed to the pipeline
+  model, whose decode bursts (`gpt2_max.bursts`) sample with it.
 
 (How MAX's CPU threads are scheduled is a speed policy, not a reach past MAX's
 API: `gpt2_max.cpu_runtime`.)
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from . import stop_strings, structured_output
+from . import shared_sampler, stop_strings, structured_output
 
 WRITTEN_FOR = ("26.7.",)
 """MAX releases (version prefixes) whose internals this package was checked against."""
@@ -56,3 +59,4 @@ def install(tokenizer_type: type) -> None:
     """
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)
+    shared_sampler.install()

@@ -102,20 +102,10 @@ def openai_response_format(response_format: dict[str, Any]) -> Any:
     return _create_response_format(response_format, enable_response_format_schema=True)
 
 
-def sampler_graph(session: Any, pipeline_config: Any, device: Device) -> Any:
-    """MAX's token sampler graph (`TopKSampler`), compiled as the text pipeline compiles
-    its own: same config, same device, same vocabulary bound, so the compile is
-    the one MAX's cache already holds (or will, the pipeline's own a moment later).
-    """
-    from max.graph import DeviceRef
-    from max.pipelines.lib.graph_specs import GraphRole
-    from max.pipelines.lib.pipeline_variants.text_generation import load_sampler_graphs
-
-    vocab_size = pipeline_config.model.huggingface_config.vocab_size
-    _, samplers = load_sampler_graphs(
-        session, pipeline_config, DeviceRef.from_device(device), vocab_size
-    )
-    return samplers[GraphRole.SAMPLER]
+def pipeline_sampler(pipeline: Any) -> tuple[Any, Any, Device]:
+    """A text pipeline's model, its token sampler graph (the one without a grammar's
+    bitmask) and the device that sampler runs on, which it keeps privately."""
+    return pipeline._pipeline_model, pipeline._sampler_without_bitmask, pipeline._sampler_device
 
 
 def sampler_inputs(contexts: Any, device: Device) -> Any:

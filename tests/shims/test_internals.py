@@ -132,3 +132,26 @@ def test_openai_response_format_is_the_servers_conversion() -> None:
         {"type": "json_schema", "json_schema": {"name": "flags", "schema": schema}}
     )
     assert (named.type, named.json_schema, named.grammar_enforced) == ("json_schema", schema, True)
+
+
+def test_the_text_pipeline_keeps_its_model_and_sampler_where_the_burst_shim_reads_them():
+    from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
+
+    source = inspect.getsource(TextGenerationPipeline)  # the class's own text, unpatched
+    for name in ("self._pipeline_model =", "self._sampler_without_bitmask:", "self._sampler_device:"):
+        assert name in source, name
+
+
+def test_the_sampler_helpers_take_what_the_fused_sampling_processor_passes():
+    from max.pipelines.sampling import sampling_logits_processor as fused
+
+    assert list(inspect.signature(fused._sample_logits).parameters) == [
+        "sampler", "logits", "prev_tokens", "sampler_inputs",
+        "logit_offsets", "bitmask", "min_tokens_mask", "penalty_inputs",
+    ]
+    assert list(inspect.signature(fused._build_min_tokens_masks).parameters) == [
+        "batch", "num_steps", "device", "enable_min_tokens",
+    ]
+    source = inspect.getsource(fused.FusedSamplingProcessor)
+    assert "SamplerInputs.create(context_batch, device)" in source
+    assert "request_row_seed(context)" in inspect.getsource(fused.SamplerInputs.create)

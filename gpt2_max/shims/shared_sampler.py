@@ -1,0 +1,32 @@
+"""MAX's token sampler handed to the pipeline model, for decode bursts (`gpt2_max.bursts`).
+
+MAX 26.7's text pipeline builds the model first and its sampler graph after,
+and keeps the sampler to itself. A burst samples with exactly that graph, so
+this patch of `TextGenerationPipeline.__init__` hands it to a model that asks
+for it (one with an `adopt_sampler` method) once the pipeline is built: no
+second compile or load, and no chance of a sampler that differs from MAX's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
+
+from .internals import pipeline_sampler
+
+
+def install() -> None:
+    """Patches `TextGenerationPipeline.__init__` once per process."""
+    original = TextGenerationPipeline.__init__
+    if getattr(original, "shares_sampler", False):
+        return
+
+    def __init__(self: TextGenerationPipeline, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        model, sampler, device = pipeline_sampler(self)
+        if (adopt := getattr(model, "adopt_sampler", None)) is not None:
+            adopt(sampler, device)
+
+    __init__.shares_sampler = True  # type: ignore[attr-defined]
+    TextGenerationPipeline.__init__ = __init__  # type: ignore[method-assign]
