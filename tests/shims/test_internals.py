@@ -138,7 +138,8 @@ def test_the_text_pipeline_keeps_its_model_and_sampler_where_the_burst_shim_read
     from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
 
     source = inspect.getsource(TextGenerationPipeline)  # the class's own text, unpatched
-    for name in ("self._pipeline_model =", "self._sampler_without_bitmask:", "self._sampler_device:"):
+    names = ("self._pipeline_model =", "self._sampler_without_bitmask:", "self._sampler_device:")
+    for name in names:
         assert name in source, name
 
 
