@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,9 +17,11 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib import ModelInputs, ModelOutputs
 
 from ..inputs import GPT2Inputs
-from ..names import env_var
+from ..names import PACKAGE, env_var
 from ..shims import internals
 from .context import BurstContext, extra_steps
+
+logger = logging.getLogger("max.pipelines")
 
 ENV = env_var("DECODE_STEPS")
 
@@ -121,6 +124,11 @@ class DecodeBursts:
         """The text pipeline's own sampler graph, handed over once the pipeline is
         built (`shims.shared_sampler`): until then, and without it, no bursts."""
         self._burst_sampler, self._sampler_device = sampler, device
+        if self._burst_steps > 1:
+            logger.info(
+                f"{PACKAGE}: decode batches run up to {self._burst_steps} steps a pass "
+                f"(set {ENV}=1 for one)"
+            )
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
         outputs = super().execute(model_inputs)  # type: ignore[misc]

@@ -22,7 +22,10 @@ and why, so nothing else in the package imports a private MAX name:
 - `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
   first use instead of at every start.
 - `shared_sampler`: the text pipeline's token sampler handed to the pipeline
-  model, whose decode bursts (`gpt2_max.bursts`) sample with it.
+  model, whose decode bursts (`gpt2_max.bursts`) sample with it. Installed by
+  `gpt2_max.bursts` on import, not by `install`: MAX's model worker builds the
+  pipeline from a pickled factory, importing the model's module but never
+  `gpt2_max.arch`.
 
 (How MAX's CPU threads are scheduled is a speed policy, not a reach past MAX's
 API: `gpt2_max.cpu_runtime`.)
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from . import shared_sampler, stop_strings, structured_output
+from . import stop_strings, structured_output
 
 WRITTEN_FOR = ("26.7.",)
 """MAX releases (version prefixes) whose internals this package was checked against."""
@@ -59,4 +62,3 @@ def install(tokenizer_type: type) -> None:
     """
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)
-    shared_sampler.install()
