@@ -127,6 +127,10 @@ LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
 # ---- MAX, through the OpenAI API ------------------------------------------------
 
 
+SERVE_ENV: dict[str, str] = {}
+"""Added to every server's environment (`--serve-env`)."""
+
+
 def serve(
     weights: Path, *args: str, devices: str, log: Path, env: dict | None = None
 ) -> AbstractContextManager[Server]:
@@ -135,7 +139,7 @@ def serve(
     if weights.suffix == ".gguf":
         args = ("--weight-path", str(weights), *args)
         weights = weights.parent
-    return max_serve(weights, *args, log=log, devices=devices, env=env)
+    return max_serve(weights, *args, log=log, devices=devices, env={**SERVE_ENV, **(env or {})})
 
 
 async def run_max(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -542,10 +546,16 @@ def main() -> None:
         "(built once by build_llama_cpp.sh)",
     )
     parser.add_argument(
+        "--serve-env", action="append", default=[], metavar="KEY=VALUE",
+        help="add to every server's environment (repeatable), e.g. README's recommended "
+        "MAX_SERVE_METRIC_RECORDING_METHOD=NOOP",
+    )
+    parser.add_argument(
         "--gguf-types", default="q4_k,q6_k,f16",
         help="GGUF types to serve scenarios a and c from ('' for none)",
     )
     args = parser.parse_args()
+    SERVE_ENV.update(item.split("=", 1) for item in args.serve_env)
     if args.peer and not llama_cpp_peer.available():
         parser.error('--peer llama.cpp needs llama-cpp-python: pip install -e ".[bench]"')
     gguf_types = [t for t in args.gguf_types.split(",") if t]
