@@ -9,7 +9,7 @@ from max.pipelines.modeling.types import PipelineTask
 
 from . import shims
 from .batch_processor import GPT2BatchProcessor
-from .bursts import BurstContext
+from .bursts import BurstContext, FastForwardBurstContext
 from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
 from .model_config import GPT2ArchConfig
@@ -32,7 +32,7 @@ gpt2_arch = SupportedArchitecture(
     supported_encodings=GPT2ArchConfig.SUPPORTED_ENCODINGS,
     pipeline_model=GPT2PipelineModel,
     tokenizer=GPT2TextTokenizer,
-    context_type=fast_forward.FastForwardContext if fast_forward.enabled() else BurstContext,
+    context_type=FastForwardBurstContext if fast_forward.enabled() else BurstContext,
     default_weights_format=WeightsFormat.safetensors,
     weight_adapters={
         WeightsFormat.safetensors: safetensors.convert_safetensor_state_dict,

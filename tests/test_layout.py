@@ -25,7 +25,7 @@ PACKAGE = Path(gpt2_max.__file__).parent
 FLOORS: list[set[str]] = [
     {"names", "encodings", "stop", "inputs", "json_schemas", "max_cache"},
     {"shims", "kernels", "cpu_runtime"},
-    {"weights"},
+    {"weights", "bursts"},
     {"model_config"},
     {"tokenizer", "batch_processor", "memory_planner", "layers"},
     {"gpt2"},

@@ -21,11 +21,11 @@ batches run one step a pass. `GPT2_MAX_DECODE_STEPS` sets `K`; 1 turns bursts of
 """
 
 from ..shims import shared_sampler
-from .context import BurstContext
+from .context import BurstContext, FastForwardBurstContext
 from .model import DecodeBursts, decode_steps
 
 # The model worker imports the model's module (this package with it) to build the
 # pipeline, and never `gpt2_max.arch`: the sampler hand-over is installed here.
 shared_sampler.install()
 
-__all__ = ["BurstContext", "DecodeBursts", "decode_steps"]
+__all__ = ["BurstContext", "DecodeBursts", "FastForwardBurstContext", "decode_steps"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from max.pipelines.context import TextContext
 
 from ..names import PACKAGE
+from ..shims.fast_forward import FastForwardContext
 
 logger = logging.getLogger("max.pipelines")
 
@@ -69,3 +70,10 @@ class BurstContext(TextContext):
             if self.is_done:
                 break
         return handled
+
+
+@dataclass(kw_only=True)
+class FastForwardBurstContext(FastForwardContext, BurstContext):
+    """Both: a grammar's forced tokens (`shims.fast_forward`) on constrained rows,
+    bursts on the others (which a grammar never has). The context type under
+    `GPT2_MAX_FAST_FORWARD=1`."""

@@ -21,7 +21,8 @@ chunked step (no token appended) forces nothing, and the end-of-text token is
 not forced before `min_tokens` (MAX masks it until then).
 
 Off unless `GPT2_MAX_FAST_FORWARD=1` is set in the server's environment:
-`gpt2_max.arch` then registers `FastForwardContext` as the context type.
+`gpt2_max.arch` then registers a context type with this one among its bases
+(`gpt2_max.bursts.FastForwardBurstContext`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from max.pipelines.context import TextContext
 
-from ..bursts import BurstContext
 from ..names import env_var
 from .internals import run_again
 
@@ -61,7 +62,7 @@ def only_allowed_token(matcher: object, vocab_size: int) -> int | None:
 
 
 @dataclass(kw_only=True)
-class FastForwardContext(BurstContext):
+class FastForwardContext(TextContext):
     """`TextContext` whose matcher step appends the tokens the grammar forces next."""
 
     def advance_token_buffer(self, new_token: int, log_probabilities=None) -> None:

@@ -7,8 +7,10 @@ import pytest
 from max.pipelines.context import TextContext, TokenBuffer
 from max.pipelines.context.eos_tracking import EOSTracker
 from max.pipelines.context.status import GenerationStatus
+from max.pipelines.lib.pipeline_variants.utils import update_context_and_prepare_responses
+from max.pipelines.modeling.types import msgpack_numpy_decoder, msgpack_numpy_encoder
 
-from gpt2_max.bursts import BurstContext, decode_steps
+from gpt2_max.bursts import BurstContext, FastForwardBurstContext, decode_steps
 from gpt2_max.bursts.context import extra_steps
 from gpt2_max.bursts.model import DEFAULT_STEPS, ENV
 
@@ -107,3 +109,25 @@ def test_decode_steps_setting(monkeypatch):
         monkeypatch.setenv(ENV, bad)
         with pytest.raises(ValueError, match=ENV):
             decode_steps(on_host=True)
+
+
+@pytest.mark.parametrize("cls", [BurstContext, FastForwardBurstContext])
+def test_the_worker_decodes_a_request_as_the_context_type(cls):
+    """The API process sends a `TextContext`; MAX's worker decodes it as the
+    architecture's context type, with no burst pending and bursts on."""
+    sent = decoding(10, cls=TextContext)
+    received = msgpack_numpy_decoder(cls)(msgpack_numpy_encoder()(sent))
+    assert type(received) is cls
+    assert list(received.tokens.all) == list(sent.tokens.all)
+    assert extra_steps(received, PAGE) == PAGE - 11
+
+
+def test_maxs_step_update_hands_the_burst_over_in_one_output():
+    """MAX's own post-step function (`update_context_and_prepare_responses`) commits
+    its token, the context appends the burst, and one output carries them all."""
+    contexts = [decoding(10), decoding(20)]
+    contexts[0].expect_burst([11, 12, 13])
+    contexts[1].expect_burst([21, 22, 23])
+    outputs = update_context_and_prepare_responses(np.array([[11], [99]]), contexts)
+    assert outputs[contexts[0].request_id].tokens == [7, 11, 12, 13]
+    assert outputs[contexts[1].request_id].tokens == [7, 99]
