@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,13 @@ ENV = env_var("DECODE_STEPS")
 DEFAULT_STEPS = 8
 """Decode steps per pass on the CPU unless `GPT2_MAX_DECODE_STEPS` says otherwise
 (chosen by `benchmarks/bench_bursts.py`)."""
+
+BUDGET_S = 0.05
+"""A burst starts no further step once it has run this long. What a burst saves is
+MAX's loop, a fixed cost a pass, so it matters where steps are short; what it costs
+is the wait of a request that arrives mid-burst, which grows with the step. With
+the budget, a small model's step bursts to `K` and a large one's (where the loop is
+a small share) hardly at all, and no request waits much past it."""
 
 
 def decode_steps(on_host: bool) -> int:
@@ -131,15 +139,16 @@ class DecodeBursts:
             )
 
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
+        started = time.perf_counter()
         outputs = super().execute(model_inputs)  # type: ignore[misc]
         if (self._burst_steps > 1 and self._burst_sampler is not None
                 and isinstance(model_inputs, GPT2Inputs)):
-            self._burst(model_inputs, outputs)
+            self._burst(model_inputs, outputs, started + BUDGET_S)
         return outputs
 
-    def _burst(self, first: GPT2Inputs, outputs: ModelOutputs) -> None:
+    def _burst(self, first: GPT2Inputs, outputs: ModelOutputs, deadline: float) -> None:
         contexts = first.contexts
-        if not contexts:
+        if not contexts or time.perf_counter() >= deadline:
             return
         page_size = self.kv_params.page_size  # type: ignore[attr-defined]
         extra = min(self._burst_steps - 1, *(extra_steps(c, page_size) for c in contexts))
@@ -156,6 +165,8 @@ class DecodeBursts:
         for step in range(1, extra + 1):
             if all(int(t) in end for t, end in zip(tokens, ends, strict=True)):
                 break  # every row has ended; nothing more to make
+            if time.perf_counter() >= deadline:
+                break
             inputs = next_step_inputs(first, positions, tokens, step, self.kv_params)  # type: ignore[attr-defined]
             step_outputs = super().execute(inputs)  # type: ignore[misc]
             tokens = sampling.sample(step_outputs.next_token_logits, step)
