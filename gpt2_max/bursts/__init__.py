@@ -7,9 +7,10 @@ step. A burst pays for that loop once every `K` tokens:
 
 - `DecodeBursts` (mixed into the pipeline model): when every row of a batch is
   decoding one token, the model runs the graph, samples its logits with MAX's
-  own sampler graph and sampling inputs, and runs the graph again on that token,
-  up to `K` steps, inside the KV pages MAX already gave each row. It returns the
-  first step's logits, as ever, and hands each row the tokens it made.
+  own sampler graph and sampling inputs, and runs the graph again on that
+  token, up to `K` steps and `BUDGET_S`, inside the KV pages MAX already gave
+  each row. It returns the first step's logits, as ever, and hands each row the
+  tokens it made.
 - `BurstContext` (the architecture's context type): when MAX commits a row's
   first token, and only if that token is the one the burst sampled from the
   same logits, the context appends the rest, so MAX's own end-of-text,
