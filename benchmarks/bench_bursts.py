@@ -29,12 +29,13 @@ import llama_cpp_tools
 import streams
 from bench_serve import CHECKPOINTS, THREADS, gguf_file, serve
 from bench_start import cpu_model
+from bench_step import PROMPT
 
 from gpt2_max.bursts.model import ENV
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 
-PROMPT = list(range(2000, 2016))
 SECOND = list(range(3000, 3016))
+"""The prompt of the request that arrives mid-burst (`PROMPT` is `bench_step`'s)."""
 NEW_TOKENS = 128
 ARRIVES_AFTER = 40
 """The second request is sent as the first's 40th token arrives."""
