@@ -18,6 +18,12 @@ from max.pipelines.lib.config.model_config import _select_quantization_encoding
 from max.pipelines.lib.generate import _ROW_SEED_STRIDE
 from max.pipelines.lib.memory_estimation import MemoryEstimator
 from max.pipelines.lib.pipeline_variants.structured_output_backend import make_grammar_backend
+from max.pipelines.sampling.sampling_logits_processor import (
+    SamplerInputs,
+    _build_min_tokens_masks,
+    _sample_logits,
+)
+from max.pipelines.sampling.seeds import request_row_seed
 
 ROW_SEED_STRIDE: int = _ROW_SEED_STRIDE
 """MAX's `generate` seeds row `i` of a batch with `seed + i * ROW_SEED_STRIDE`;
@@ -111,30 +117,22 @@ def pipeline_sampler(pipeline: Any) -> tuple[Any, Any, Device]:
 def sampler_inputs(contexts: Any, device: Device) -> Any:
     """The per-row sampling tensors MAX's `FusedSamplingProcessor` gives its sampler
     (temperature, top-k, top-p, min-p, each row's seed for its next token)."""
-    from max.pipelines.sampling.sampling_logits_processor import SamplerInputs
-
     return SamplerInputs.create(contexts, device)
 
 
 def min_tokens_masks(contexts: Any, steps: int, device: Device, enabled: bool) -> Any:
     """MAX's end-of-text masks for `steps` steps from each row's current position
     (`None` when the sampler was built without `min_tokens`)."""
-    from max.pipelines.sampling.sampling_logits_processor import _build_min_tokens_masks
-
     return _build_min_tokens_masks(contexts, steps, device, enabled)
 
 
 def sample_logits(sampler: Any, logits: Any, generated: Any, inputs: Any, mask: Any) -> Any:
     """One call of MAX's sampler graph as its `FusedSamplingProcessor` makes it:
     (new tokens, generated tokens so far, next seed)."""
-    from max.pipelines.sampling.sampling_logits_processor import _sample_logits
-
     return _sample_logits(sampler, logits, generated, inputs, min_tokens_mask=mask)
 
 
 def row_seed(context: Any) -> int:
     """The Philox key MAX's sampler gives `context`'s row: its seed advanced by the
     number of tokens it holds, so the key of each later token is this plus one."""
-    from max.pipelines.sampling.seeds import request_row_seed
-
     return request_row_seed(context)
