@@ -35,7 +35,8 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import streams
@@ -43,6 +44,7 @@ import torch
 from max.pipelines import AutoModel
 from transformers import GPT2LMHeadModel
 
+from gpt2_max.bursts.model import ENV as BURST_ENV
 from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import TINY_HEAD64, random_prompt, random_state_dict
 from gpt2_max.testing.server import max_serve
@@ -157,45 +159,74 @@ def bytes_per_step(config, dtype: str, batch: int, new: int) -> float:
 
 def served_rows(
     checkpoint: Path, device: str, batches: list[int], new: int, scratch: Path,
-    starts: list[str], logs: Path | None = None,
+    starts: list[str], decode_steps: list[int], logs: Path | None = None,
 ) -> dict:
     """`max serve` with no device or encoding flag (the GPU's default, bfloat16 there):
     start times (cold: an empty MAX cache of its own; warm: the cache a cold start
     filled, else the user's), then one stream and the largest batch as concurrent
-    streams on the last start. Each server's log is `serve-{start}.log` in `logs`."""
+    streams on the last start; then the same streams on a warm server per further
+    burst length of `decode_steps` (`GPT2_MAX_DECODE_STEPS`), their tokens compared with
+    the first server's. Each server's log is `serve-{start}.log` in `logs`."""
     cold_cache = {"MODULAR_CACHE_DIR": str(scratch / "max-cache")}
     logs = logs or scratch
     starts = [start for start in ("cold", "warm") if start in starts]  # cold fills, warm reuses
+    first, *more = decode_steps
     result: dict = {}
     for start in starts:
         began = time.perf_counter()
-        with max_serve(
-            checkpoint, "--max-batch-size", str(max(batches)), log=logs / f"serve-{start}.log",
-            devices=None if device == "gpu" else device,  # "gpu": MAX's own pick
-            env=cold_cache if "cold" in starts else None,
-        ) as server:
+        with served(checkpoint, device, batches, logs / f"serve-{start}.log",
+                    {**(cold_cache if "cold" in starts else {}), BURST_ENV: str(first)}) as url:
             result[f"start_{start}_s"] = time.perf_counter() - began
-            if start != starts[-1]:
-                continue
-            warm = asyncio.run(streams.gather(
-                streams.max_completion, server.url, [random_prompt(16, 999)], 8
-            ))
-            assert warm
-            for batch in sorted({1, max(batches)}):
-                prompts = [random_prompt(PROMPT_TOKENS, seed=100 + i) for i in range(batch)]
-                began = time.perf_counter()
-                out = asyncio.run(
-                    streams.gather(streams.max_completion, server.url, prompts, new)
-                )
-                wall = time.perf_counter() - began
-                first = statistics.median(r["arrivals"][0] for r in out)
-                result[f"serve_b{batch}"] = {
-                    "tok_s": batch * new / wall, "ttft_s": first,
-                    "step_ms": 1e3 * statistics.median(
-                        (r["arrivals"][-1] - r["arrivals"][0]) / (new - 1) for r in out
-                    ),
-                }
+            if start == starts[-1]:
+                result[f"k{first}"] = stream_rows(url, batches, new)
+    for steps in more:
+        try:  # a failing burst length is reported, the rows measured so far kept
+            with served(checkpoint, device, batches, logs / f"serve-k{steps}.log",
+                        {**(cold_cache if "cold" in starts else {}), BURST_ENV: str(steps)}) as url:
+                rows = result[f"k{steps}"] = stream_rows(url, batches, new)
+        except Exception as error:  # noqa: BLE001
+            result[f"k{steps}"] = {"error": repr(error)}
+            continue
+        for batch, r in rows.items():
+            r["same_tokens_as_k1"] = same_tokens(r["tokens"], result[f"k{first}"][batch]["tokens"])
+    for rows in result.values():
+        for r in rows.values() if isinstance(rows, dict) else ():
+            r.pop("tokens", None)
     return result
+
+
+@contextmanager
+def served(checkpoint: Path, device: str, batches: list[int], log: Path,
+           env: dict[str, str]) -> Iterator[str]:
+    with max_serve(
+        checkpoint, "--max-batch-size", str(max(batches)), log=log,
+        devices=None if device == "gpu" else device,  # "gpu": MAX's own pick
+        env=env,
+    ) as server:
+        warm = asyncio.run(streams.gather(
+            streams.max_completion, server.url, [random_prompt(16, 999)], 8
+        ))
+        assert warm
+        yield server.url
+
+
+def stream_rows(url: str, batches: list[int], new: int) -> dict[int, dict]:
+    """One stream, then the largest batch as concurrent streams: tok/s, TTFT, step, tokens."""
+    rows = {}
+    for batch in sorted({1, max(batches)}):
+        prompts = [random_prompt(PROMPT_TOKENS, seed=100 + i) for i in range(batch)]
+        began = time.perf_counter()
+        out = asyncio.run(streams.gather(streams.max_completion, url, prompts, new))
+        wall = time.perf_counter() - began
+        rows[batch] = {
+            "tok_s": batch * new / wall,
+            "ttft_s": statistics.median(r["arrivals"][0] for r in out),
+            "step_ms": 1e3 * statistics.median(
+                (r["arrivals"][-1] - r["arrivals"][0]) / (new - 1) for r in out
+            ),
+            "tokens": [r["tokens"] for r in out],
+        }
+    return rows
 
 
 def progress(dtype: str, engine: str, rows: dict[int, dict]) -> None:
@@ -238,6 +269,8 @@ def main() -> None:
                         help="also gpt2-max with MAX's device graph capture")
     parser.add_argument("--no-serve", action="store_true", help="skip the max serve rows")
     parser.add_argument("--starts", default="cold,warm", help="max serve starts to time")
+    parser.add_argument("--decode-steps", default="1",
+                        help="served burst lengths (GPT2_MAX_DECODE_STEPS), e.g. 1,8")
     parser.add_argument("--out", type=Path, help="also write the results as JSON")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -291,7 +324,8 @@ def main() -> None:
                 torch.cuda.empty_cache()  # the server's KV cache is sized from free memory
             result["serve"] = served_rows(
                 checkpoint, args.device, batches, args.new_tokens, scratch,
-                args.starts.split(","), logs=args.out.parent if args.out else None,
+                args.starts.split(","), [int(k) for k in args.decode_steps.split(",")],
+                logs=args.out.parent if args.out else None,
             )
             save(result, args.out)
     print_report(result)
@@ -322,10 +356,14 @@ def print_report(result: dict) -> None:
     for name, value in result.get("serve", {}).items():
         if name.startswith("start_"):
             print(f"max serve, {name[6:-2]} start: {value:.1f} s to the first answer")
-        else:
-            print(f"max serve, {name[6:]} concurrent streams: {value['tok_s']:.0f} tok/s, "
-                  f"TTFT {1e3 * value['ttft_s']:.1f} ms, step {value['step_ms']:.3f} ms")
-
+            continue
+        for batch, r in value.items():
+            if batch == "error":
+                print(f"max serve, {name[1:]} decode steps a pass: {r}")
+                continue
+            print(f"max serve, {name[1:]} decode steps a pass, {batch} concurrent streams: "
+                  f"{r['tok_s']:.0f} tok/s, TTFT {1e3 * r['ttft_s']:.1f} ms, step "
+                  f"{r['step_ms']:.3f} ms {r.get('same_tokens_as_k1', '')}")
 
 if __name__ == "__main__":
     main()

@@ -3,19 +3,22 @@
 # (on the device tool's machine: after `install.sh`, with PYTHONPATH=/tmp/site:$PWD).
 #     bash benchmarks/gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]
 # runs the `gpu` tier, then `bench_gpu.py` (bfloat16, batch 1 and 64, with graph capture,
-# a warm `max serve`; BENCH_ARGS replace these), all within SECONDS (default 3600): each
+# a warm `max serve` with and without decode bursts; BENCH_ARGS replace these), all within
+# SECONDS (default 3600): each
 # step is interrupted (SIGINT, so pytest still writes its report) when its time is up,
 # and every step writes its results into OUT_DIR as it goes.
 #
-# The tier compiles two small graphs (bfloat16 and float32); while it runs, a
-# throwaway run of the benchmark fills MAX's cache with the benchmark's graph, so the
-# timed run that follows (with nothing else running) starts warm.
+# The tier compiles two small graphs (bfloat16 and float32), each for minutes, so its
+# float32 test runs in a pytest of its own beside the rest; meanwhile a throwaway run
+# of the benchmark fills MAX's cache with the benchmark's graph, so the timed run that
+# follows (with nothing else running) starts warm.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]}
 deadline=$((SECONDS + ${2:-3600}))
 shift $(($# < 2 ? $# : 2))
 bench_args=("$@")
-[ ${#bench_args[@]} -gt 0 ] || bench_args=(--dtypes bfloat16 --batch-sizes 1,64 --capture --starts warm)
+[ ${#bench_args[@]} -gt 0 ] || bench_args=(--dtypes bfloat16 --batch-sizes 1,64 --capture --starts warm \
+  --decode-steps 1,8 --repeat 2)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MODULAR_TELEMETRY_ENABLED=${MODULAR_TELEMETRY_ENABLED:-0} \
   MAX_SERVE_DISABLE_TELEMETRY=${MAX_SERVE_DISABLE_TELEMETRY:-1}
@@ -35,10 +38,17 @@ fi
 warm=$!
 
 start=$SECONDS
-timeout -s INT -k 30 "$(left 240)" python3 -m pytest -m gpu tests/gpu -v -rA --durations=0 \
-  --junitxml="$out/gpu-tier.xml" -o junit_logging=all >"$out/gpu-tier.log" 2>&1
-echo "gpu tier: rc=$? in $((SECONDS - start)) s" | tee -a "$out/gpu-tier.log"
-cp "$(ls -t /tmp/pytest-of-*/pytest-current/gpu-serve*/server.log 2>/dev/null | head -1)" \
+tier() {  # tier NAME PYTEST_ARGS...: the tier's tests named, interrupted at the tier's share
+  local name=$1; shift
+  timeout -s INT -k 30 "$(left 240)" python3 -m pytest -m gpu "$@" -v -rA --durations=0 \
+    --junitxml="$out/$name.xml" -o junit_logging=all >"$out/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - start)) s" | tee -a "$out/$name.log"
+}
+tier gpu-tier-float32 tests/gpu/test_parity.py -k float32 &
+float32=$!
+tier gpu-tier tests/gpu -k "not float32"
+wait "$float32"
+cp "$(ls -t /tmp/pytest-of-*/pytest-*/gpu-serve*/server.log 2>/dev/null | head -1)" \
   "$out/gpu-serve.log" 2>/dev/null
 
 wait "$warm"; echo "cache fill: rc=$? at $((SECONDS - start)) s" | tee -a "$out/warm.log"
