@@ -127,7 +127,10 @@ class GPT2(Module[..., ModuleV3Outputs]):
     def __init__(self, config: GPT2ArchConfig, layers: Layers) -> None:
         self.config = config
         self.layers = layers
-        self.wte = layers.embedding("wte", config.vocab_size, config.hidden_size)
+        # A tied head's table has the head's rows (`head_rows`: padded off the CPU);
+        # no token id reaches the padding.
+        table_rows = config.head_rows if config.head_reads_wte else config.vocab_size
+        self.wte = layers.embedding("wte", table_rows, config.hidden_size)
         self.wpe = layers.embedding("wpe", config.max_positions, config.hidden_size)
         self.h = ModuleList([GPT2Block(config, layers, i) for i in range(config.num_layers)])
         self.ln_f = layer_norm(config)
@@ -136,7 +139,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
         self.lm_head = (
             None
             if config.head_reads_wte
-            else layers.linear("lm_head", config.hidden_size, config.vocab_size, bias=False)
+            else layers.linear("lm_head", config.hidden_size, config.head_rows, bias=False)
         )
 
     def logits(self, h: Tensor) -> Tensor:
@@ -148,6 +151,8 @@ class GPT2(Module[..., ModuleV3Outputs]):
             logits = self.layers.tied_head(h, self.wte.weight)
         else:
             logits = self.lm_head(h)
+        if self.config.head_rows > self.config.vocab_size:
+            logits = logits[:, : self.config.vocab_size]  # the padded rows' logits
         if logits.dtype != DType.float32:
             logits = F.cast(logits, DType.float32)
         if self.config.usable_vocab_size < self.config.vocab_size:

@@ -124,6 +124,11 @@ def validate_huggingface_config(hf_config: Any) -> None:
         )
 
 
+HEAD_ROW_MULTIPLE = 256
+"""Off the CPU the LM head's rows are padded to this multiple: a whole tile of MAX's
+sm90 GEMM (256 columns), so every output row is 16-byte aligned and no tile has a tail."""
+
+
 @dataclass(kw_only=True)
 class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
@@ -155,6 +160,23 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     return_logits: ReturnLogits = ReturnLogits.LAST_TOKEN
     weights: WeightPlan = field(default_factory=WeightPlan)
     """How the loaded weights are held (packed, float16); the layers follow it."""
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the LM head as the graph multiplies it: the vocabulary, padded with
+        zero rows to a multiple of `HEAD_ROW_MULTIPLE` off the CPU (the logits are cut
+        back to `vocab_size`). MAX 26.7's bfloat16 GEMM on NVIDIA sm90 writes the tail
+        tile of a row whose length is not a multiple of 8 into the next row's first
+        columns and past the output's end: GPT-2's 50257 wrong low-id logits and a
+        crashed server (`docs/max-26.7.md`)."""
+        if self.devices[0].is_cpu():
+            return self.vocab_size
+        return math.ceil(self.vocab_size / HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
+
+    @property
+    def head_weight(self) -> str:
+        """The state-dict tensor the LM head multiplies (`wte.weight` when tied)."""
+        return "wte.weight" if self.head_reads_wte else "lm_head.weight"
 
     @property
     def head_reads_wte(self) -> bool:

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from max.dtype import DType
+from max.graph import DeviceRef
 from max.graph.weights import WeightsFormat
 from max.pipelines.lib import MAXModelConfig
 from max.pipelines.lib.config.model_config import _resolve_weights_and_encoding
@@ -62,7 +63,7 @@ def max_config(**flags: bool) -> GPT2ArchConfig:
         feed_forward_size=256, max_positions=256, layer_norm_epsilon=1e-5,
         activation="relu", scale_attn_weights=True,
         scale_attn_by_inverse_layer_idx=False, tie_word_embeddings=True,
-        max_seq_len=256, dtype=DType.float32, devices=[], kv_params=None,
+        max_seq_len=256, dtype=DType.float32, devices=[DeviceRef.CPU()], kv_params=None,
     )
     return GPT2ArchConfig(**{**fields, **flags})
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 from max.experimental import nn
 from max.experimental.nn.common_layers.functional_kernels import flash_attention_ragged
 from max.experimental.tensor import Tensor
+from max.graph.weights import WeightData
 from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
@@ -93,10 +95,21 @@ class Layers:
                     f"the plain layers multiply float tensors only. Serve this file on the "
                     f"CPU (`--devices cpu`) without {LAYERS_ENV}=plain, or a float file."
                 )
+        if (head := self.config.head_weight) in state_dict:
+            state_dict = {**state_dict, head: pad_rows(state_dict[head], self.config.head_rows)}
         return {
             name: weight if weight.dtype == dtype else weight.astype(dtype)
             for name, weight in state_dict.items()
         }
+
+
+def pad_rows(weight: WeightData, rows: int) -> WeightData:
+    """`weight` (`[n, ...]`, a float dtype numpy holds) with zero rows up to `rows`."""
+    if int(weight.shape[0]) >= rows:
+        return weight
+    table = np.from_dlpack(weight.data)
+    padding = np.zeros((rows - table.shape[0], *table.shape[1:]), dtype=table.dtype)
+    return WeightData.from_numpy(np.concatenate([table, padding]), weight.name)
 
 
 def uses_fast_layers(on_cpu: bool) -> bool:

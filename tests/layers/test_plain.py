@@ -20,6 +20,7 @@ from max.graph.weights import WeightData
 from max.pipelines import AutoModel
 
 from gpt2_max.layers import LAYERS_ENV, Layers, layers_for
+from gpt2_max.model_config import HEAD_ROW_MULTIPLE, GPT2ArchConfig
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 from gpt2_max.weights.schema import CheckpointError
 from tests.test_model_config import max_config
@@ -41,8 +42,29 @@ def plain_model(checkpoints, tmp_path, monkeypatch):
 
 
 def test_plain_layers_match_transformers(plain_model, hf_models):
+    assert_matches_transformers(plain_model, hf_models)
+
+
+def test_a_padded_head_gives_the_same_logits(checkpoints, tmp_path, monkeypatch, hf_models):
+    """The GPU's padded LM head (`head_rows`), forced on the CPU: the padding's zero
+    rows and the cut back to the vocabulary leave every logit as transformers' are."""
+    padded = property(lambda config: config.vocab_size + HEAD_ROW_MULTIPLE - 1)
+    monkeypatch.setattr(GPT2ArchConfig, "head_rows", padded)
+    monkeypatch.setenv(LAYERS_ENV, "plain")
+    folder = shutil.copytree(checkpoints("default", "hub"), tmp_path / "checkpoint")
+    model = AutoModel(
+        str(folder), max_batch_size=2, devices="cpu", custom_architectures=["gpt2_max"],
+        enable_echo=True,  # every row's logits pass the cut, not only the last
+    )
+    try:
+        assert_matches_transformers(model, hf_models)
+    finally:
+        model.close()
+
+
+def assert_matches_transformers(model, hf_models):
     prompts = [random_prompt(5, seed=7001), random_prompt(33, seed=7002)]
-    result = plain_model.generate(
+    result = model.generate(
         prompts, max_new_tokens=NEW_TOKENS, top_k=1, ignore_eos=True, output_logits=True
     )
     for prompt, sequence, logits in zip(prompts, result.sequences, result.logits, strict=True):
@@ -90,6 +112,25 @@ def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
     for name, tensor in tensors.items():
         assert prepared[name].dtype == graph
         assert torch.equal(as_torch(prepared[name]), tensor.to(target)), name
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize("tied", [True, False])
+def test_prepare_pads_the_head_with_zero_rows_off_the_cpu(tied):
+    rng = np.random.default_rng(1)
+    head = "wte.weight" if tied else "lm_head.weight"
+    table = rng.standard_normal((300, 8)).astype(np.float32)
+    state = {head: WeightData.from_numpy(table, head)}
+    settings = dict(vocab_size=300, tie_word_embeddings=tied, dtype=DType.bfloat16)
+    gpu = max_config(devices=[DeviceRef.GPU()], **settings)
+    assert gpu.head_rows == 512 and gpu.head_weight == head
+    prepared = as_torch(Layers(gpu).prepare(state)[head]).float()
+    assert prepared.shape == (512, 8)
+    assert torch.equal(prepared[:300], torch.from_numpy(table).to(torch.bfloat16).float())
+    assert not prepared[300:].any()
+    cpu = max_config(**settings)
+    assert cpu.head_rows == 300
+    assert tuple(Layers(cpu).prepare(state)[head].shape) == (300, 8)
 
 
 @pytest.mark.tier("unit")
