@@ -226,6 +226,8 @@ def stream_rows(url: str, batches: list[int], new: int) -> dict[int, dict]:
             ),
             "tokens": [r["tokens"] for r in out],
         }
+        print(f"served b{batch}: {rows[batch]['tok_s']:.0f} tok/s, step "
+              f"{rows[batch]['step_ms']:.3f} ms", flush=True)
     return rows
 
 
@@ -288,6 +290,13 @@ def main() -> None:
             "new_tokens": args.new_tokens, "rows": {},
             "copy_gbps": copy_bandwidth_gbps(torch_device) if torch_device != "cpu" else None,
         }
+        if not args.no_serve:  # first: the card is the server's alone, nothing held by torch
+            result["serve"] = served_rows(
+                checkpoint, args.device, batches, args.new_tokens, scratch,
+                args.starts.split(","), [int(k) for k in args.decode_steps.split(",")],
+                logs=args.out.parent if args.out else None,
+            )
+            save(result, args.out)
         for dtype in args.dtypes.split(","):
             engines = {"gpt2-max": gpt2_max_rows(
                 checkpoint, args.device, dtype, batches, args.new_tokens, args.repeat
@@ -319,15 +328,6 @@ def main() -> None:
                 for name, rows in engines.items()
             }
             save(result, args.out)  # a run cut short keeps what it measured
-        if not args.no_serve:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the server's KV cache is sized from free memory
-            result["serve"] = served_rows(
-                checkpoint, args.device, batches, args.new_tokens, scratch,
-                args.starts.split(","), [int(k) for k in args.decode_steps.split(",")],
-                logs=args.out.parent if args.out else None,
-            )
-            save(result, args.out)
     print_report(result)
 
 

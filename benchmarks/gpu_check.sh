@@ -6,7 +6,8 @@
 # a warm `max serve` with and without decode bursts; BENCH_ARGS replace these), all within
 # SECONDS (default 3600): each
 # step is interrupted (SIGINT, so pytest still writes its report) when its time is up,
-# and every step writes its results into OUT_DIR as it goes.
+# and every step writes its results into OUT_DIR as it goes. The benchmark's share is the
+# last BENCH_SECONDS (default 240).
 #
 # The tier compiles two small graphs (bfloat16 and float32), each for minutes, so its
 # float32 test runs in a pytest of its own beside the rest; meanwhile a throwaway run
@@ -40,7 +41,7 @@ warm=$!
 start=$SECONDS
 tier() {  # tier NAME PYTEST_ARGS...: the tier's tests named, interrupted at the tier's share
   local name=$1; shift
-  timeout -s INT -k 30 "$(left 240)" python3 -m pytest -m gpu "$@" -v -rA --durations=0 \
+  timeout -s INT -k 30 "$(left "${BENCH_SECONDS:-240}")" python3 -m pytest -m gpu "$@" -v -rA --durations=0 \
     --junitxml="$out/$name.xml" -o junit_logging=all >"$out/$name.log" 2>&1
   echo "$name: rc=$? in $((SECONDS - start)) s" | tee -a "$out/$name.log"
 }
