@@ -167,8 +167,8 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
         zero rows to a multiple of `HEAD_ROW_MULTIPLE` off the CPU (the logits are cut
         back to `vocab_size`). MAX 26.7's bfloat16 GEMM on NVIDIA sm90 writes the tail
         tile of a row whose length is not a multiple of 8 into the next row's first
-        columns and past the output's end: GPT-2's 50257 wrong low-id logits and a
-        crashed server (`docs/max-26.7.md`)."""
+        columns and past the output's end: at GPT-2's 50257, wrong logits for low
+        token ids wherever the head multiplies several rows (`docs/max-26.7.md`)."""
         if self.devices[0].is_cpu():
             return self.vocab_size
         return math.ceil(self.vocab_size / HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE
