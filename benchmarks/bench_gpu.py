@@ -35,7 +35,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -157,49 +157,63 @@ def bytes_per_step(config, dtype: str, batch: int, new: int) -> float:
     return width * (params + batch * context * 2 * layers * d)
 
 
+Variant = tuple[str, dict[str, str], list[str]]
+"""A server to measure: its name, its environment and its further `max serve` flags."""
+
+
+def parse_variants(spec: str) -> list[Variant]:
+    """`NAME:WORD WORD ...,NAME:...`, each word `KEY=VALUE` (environment) or `--flag`."""
+    variants = []
+    for item in filter(None, spec.split(",")):
+        name, _, words = item.partition(":")
+        env = dict(w.split("=", 1) for w in words.split() if not w.startswith("--"))
+        variants.append((name, env, [w for w in words.split() if w.startswith("--")]))
+    return variants
+
+
 def served_rows(
     checkpoint: Path, device: str, batches: list[int], new: int, scratch: Path,
-    starts: list[str], decode_steps: list[int], logs: Path | None = None,
+    starts: list[str], variants: list[Variant], logs: Path | None = None,
 ) -> dict:
     """`max serve` with no device or encoding flag (the GPU's default, bfloat16 there):
     start times (cold: an empty MAX cache of its own; warm: the cache a cold start
-    filled, else the user's), then one stream and the largest batch as concurrent
-    streams on the last start; then the same streams on a warm server per further
-    burst length of `decode_steps` (`GPT2_MAX_DECODE_STEPS`), their tokens compared with
-    the first server's. Each server's log is `serve-{start}.log` in `logs`."""
-    cold_cache = {"MODULAR_CACHE_DIR": str(scratch / "max-cache")}
+    filled, else the user's), then per variant a warm server's one stream and largest
+    batch of concurrent streams, their tokens compared with the first variant's that
+    answered. A variant that fails is recorded with its error and the rest still run.
+    Each server's log is `serve-{start}.log` or `serve-{variant}.log` in `logs`."""
+    base_env = {"MODULAR_CACHE_DIR": str(scratch / "max-cache")} if "cold" in starts else {}
     logs = logs or scratch
-    starts = [start for start in ("cold", "warm") if start in starts]  # cold fills, warm reuses
-    first, *more = decode_steps
     result: dict = {}
-    for start in starts:
+    for start in (start for start in ("cold", "warm") if start in starts):  # cold fills
         began = time.perf_counter()
-        with served(checkpoint, device, batches, logs / f"serve-{start}.log",
-                    {**(cold_cache if "cold" in starts else {}), BURST_ENV: str(first)}) as url:
+        with served(checkpoint, device, batches, logs / f"serve-{start}.log", base_env):
             result[f"start_{start}_s"] = time.perf_counter() - began
-            if start == starts[-1]:
-                result[f"k{first}"] = stream_rows(url, batches, new)
-    for steps in more:
-        try:  # a failing burst length is reported, the rows measured so far kept
-            with served(checkpoint, device, batches, logs / f"serve-k{steps}.log",
-                        {**(cold_cache if "cold" in starts else {}), BURST_ENV: str(steps)}) as url:
-                rows = result[f"k{steps}"] = stream_rows(url, batches, new)
-        except Exception as error:  # noqa: BLE001
-            result[f"k{steps}"] = {"error": repr(error)}
+    first = None
+    for name, env, flags in variants:
+        try:
+            with served(checkpoint, device, batches, logs / f"serve-{name}.log",
+                        {**base_env, **env}, flags) as url:
+                rows = result[name] = stream_rows(url, batches, new)
+        except Exception as error:  # noqa: BLE001 - reported, the other variants still run
+            result[name] = {"error": repr(error)}
+            continue
+        if first is None:
+            first = name
             continue
         for batch, r in rows.items():
-            r["same_tokens_as_k1"] = same_tokens(r["tokens"], result[f"k{first}"][batch]["tokens"])
+            r[f"same_tokens_as_{first}"] = same_tokens(r["tokens"], result[first][batch]["tokens"])
     for rows in result.values():
         for r in rows.values() if isinstance(rows, dict) else ():
-            r.pop("tokens", None)
+            if isinstance(r, dict):
+                r.pop("tokens", None)
     return result
 
 
 @contextmanager
 def served(checkpoint: Path, device: str, batches: list[int], log: Path,
-           env: dict[str, str]) -> Iterator[str]:
+           env: dict[str, str], flags: Sequence[str] = ()) -> Iterator[str]:
     with max_serve(
-        checkpoint, "--max-batch-size", str(max(batches)), log=log,
+        checkpoint, "--max-batch-size", str(max(batches)), *flags, log=log,
         devices=None if device == "gpu" else device,  # "gpu": MAX's own pick
         env=env,
     ) as server:
@@ -271,8 +285,11 @@ def main() -> None:
                         help="also gpt2-max with MAX's device graph capture")
     parser.add_argument("--no-serve", action="store_true", help="skip the max serve rows")
     parser.add_argument("--starts", default="cold,warm", help="max serve starts to time")
-    parser.add_argument("--decode-steps", default="1",
-                        help="served burst lengths (GPT2_MAX_DECODE_STEPS), e.g. 1,8")
+    parser.add_argument(
+        "--serve-variants", default=f"k1:{BURST_ENV}=1",
+        help="servers to measure, 'NAME:KEY=VALUE --flag ...' separated by commas, e.g. "
+             f"'k1:{BURST_ENV}=1,k8:{BURST_ENV}=8,no-prefix-cache:--no-enable-prefix-caching'",
+    )
     parser.add_argument("--out", type=Path, help="also write the results as JSON")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -293,7 +310,7 @@ def main() -> None:
         if not args.no_serve:  # first: the card is the server's alone, nothing held by torch
             result["serve"] = served_rows(
                 checkpoint, args.device, batches, args.new_tokens, scratch,
-                args.starts.split(","), [int(k) for k in args.decode_steps.split(",")],
+                args.starts.split(","), parse_variants(args.serve_variants),
                 logs=args.out.parent if args.out else None,
             )
             save(result, args.out)
@@ -359,11 +376,11 @@ def print_report(result: dict) -> None:
             continue
         for batch, r in value.items():
             if batch == "error":
-                print(f"max serve, {name[1:]} decode steps a pass: {r}")
+                print(f"max serve, {name}: {r}")
                 continue
-            print(f"max serve, {name[1:]} decode steps a pass, {batch} concurrent streams: "
-                  f"{r['tok_s']:.0f} tok/s, TTFT {1e3 * r['ttft_s']:.1f} ms, step "
-                  f"{r['step_ms']:.3f} ms {r.get('same_tokens_as_k1', '')}")
+            same = " ".join(f"{k}: {v}" for k, v in r.items() if k.startswith("same_tokens"))
+            print(f"max serve, {name}, {batch} concurrent streams: {r['tok_s']:.0f} tok/s, "
+                  f"TTFT {1e3 * r['ttft_s']:.1f} ms, step {r['step_ms']:.3f} ms {same}")
 
 if __name__ == "__main__":
     main()

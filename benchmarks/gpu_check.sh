@@ -18,8 +18,14 @@ out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]}
 deadline=$((SECONDS + ${2:-3600}))
 shift $(($# < 2 ? $# : 2))
 bench_args=("$@")
+# The served variants: the default (no bursts on a GPU), decode bursts of 8, and two
+# probes of the gpt2-small server that crashed at its second request on the H200
+# (benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md).
+variants="k1:GPT2_MAX_DECODE_STEPS=1,k8:GPT2_MAX_DECODE_STEPS=8"
+variants+=",no-prefix-cache:GPT2_MAX_DECODE_STEPS=1 --no-enable-prefix-caching"
+variants+=",device-sync:GPT2_MAX_DECODE_STEPS=1 MODULAR_DEBUG=device-sync-mode"
 [ ${#bench_args[@]} -gt 0 ] || bench_args=(--dtypes bfloat16 --batch-sizes 1,64 --capture --starts warm \
-  --decode-steps 1,8 --repeat 2)
+  --serve-variants "$variants" --repeat 2)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MODULAR_TELEMETRY_ENABLED=${MODULAR_TELEMETRY_ENABLED:-0} \
   MAX_SERVE_DISABLE_TELEMETRY=${MAX_SERVE_DISABLE_TELEMETRY:-1}
