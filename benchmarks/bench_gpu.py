@@ -193,7 +193,7 @@ def served_rows(
         try:
             with served(checkpoint, device, batches, logs / f"serve-{name}.log",
                         {**base_env, **env}, flags) as url:
-                rows = result[name] = stream_rows(url, batches, new)
+                rows = result[name] = stream_rows(url, batches, new, name)
         except Exception as error:  # noqa: BLE001 - reported, the other variants still run
             result[name] = {"error": repr(error)}
             continue
@@ -202,8 +202,8 @@ def served_rows(
             continue
         for batch, r in rows.items():
             r[f"same_tokens_as_{first}"] = same_tokens(r["tokens"], result[first][batch]["tokens"])
-    for rows in result.values():
-        for r in rows.values() if isinstance(rows, dict) else ():
+    for name, _, _ in variants:  # tokens were for the comparison only
+        for r in result[name].values():
             if isinstance(r, dict):
                 r.pop("tokens", None)
     return result
@@ -224,7 +224,7 @@ def served(checkpoint: Path, device: str, batches: list[int], log: Path,
         yield server.url
 
 
-def stream_rows(url: str, batches: list[int], new: int) -> dict[int, dict]:
+def stream_rows(url: str, batches: list[int], new: int, label: str) -> dict[int, dict]:
     """One stream, then the largest batch as concurrent streams: tok/s, TTFT, step, tokens."""
     rows = {}
     for batch in sorted({1, max(batches)}):
@@ -240,7 +240,7 @@ def stream_rows(url: str, batches: list[int], new: int) -> dict[int, dict]:
             ),
             "tokens": [r["tokens"] for r in out],
         }
-        print(f"served b{batch}: {rows[batch]['tok_s']:.0f} tok/s, step "
+        print(f"max serve {label} b{batch}: {rows[batch]['tok_s']:.0f} tok/s, step "
               f"{rows[batch]['step_ms']:.3f} ms", flush=True)
     return rows
 
@@ -381,6 +381,7 @@ def print_report(result: dict) -> None:
             same = " ".join(f"{k}: {v}" for k, v in r.items() if k.startswith("same_tokens"))
             print(f"max serve, {name}, {batch} concurrent streams: {r['tok_s']:.0f} tok/s, "
                   f"TTFT {1e3 * r['ttft_s']:.1f} ms, step {r['step_ms']:.3f} ms {same}")
+
 
 if __name__ == "__main__":
     main()

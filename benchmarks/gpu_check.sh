@@ -3,11 +3,10 @@
 # (on the device tool's machine: after `install.sh`, with PYTHONPATH=/tmp/site:$PWD).
 #     bash benchmarks/gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]
 # runs the `gpu` tier, then `bench_gpu.py` (bfloat16, batch 1 and 64, with graph capture,
-# a warm `max serve` with and without decode bursts; BENCH_ARGS replace these), all within
-# SECONDS (default 3600): each
-# step is interrupted (SIGINT, so pytest still writes its report) when its time is up,
-# and every step writes its results into OUT_DIR as it goes. The benchmark's share is the
-# last BENCH_SECONDS (default 240).
+# warm `max serve` variants below; BENCH_ARGS replace these), all within SECONDS (default
+# 3600): each step is interrupted (SIGINT, so pytest still writes its report) when its
+# time is up, and every step writes its results into OUT_DIR as it goes. The benchmark's
+# share is the last BENCH_SECONDS (default 240).
 #
 # The tier compiles two small graphs (bfloat16 and float32), each for minutes, so its
 # float32 test runs in a pytest of its own beside the rest; meanwhile a throwaway run
