@@ -17,12 +17,17 @@ out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS] [BENCH_ARGS...]}
 deadline=$((SECONDS + ${2:-3600}))
 shift $(($# < 2 ? $# : 2))
 bench_args=("$@")
-# The served variants: the default (no bursts on a GPU), decode bursts of 8, and two
+# The served variants, every batch logged: the default (no bursts on a GPU), then
 # probes of the gpt2-small server that crashed at its second request on the H200
-# (benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md).
-variants="k1:GPT2_MAX_DECODE_STEPS=1,k8:GPT2_MAX_DECODE_STEPS=8"
-variants+=",no-prefix-cache:GPT2_MAX_DECODE_STEPS=1 --no-enable-prefix-caching"
-variants+=",device-sync:GPT2_MAX_DECODE_STEPS=1 MODULAR_DEBUG=device-sync-mode"
+# (benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md): MAX's
+# device-sync mode (names the failing kernel), prefix caching and chunked prefill off
+# (AutoModel's settings, where the same graph ran), MAX's legacy KV cache; last,
+# decode bursts of 8.
+k1="GPT2_MAX_DECODE_STEPS=1 MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S=0"
+variants="k1:$k1,device-sync:$k1 MODULAR_DEBUG=device-sync-mode"
+variants+=",no-prefix-cache:$k1 --no-enable-prefix-caching --no-enable-chunked-prefill"
+variants+=",legacy-kv:$k1 MODULAR_USE_LEGACY_KV_CACHE=1"
+variants+=",k8:GPT2_MAX_DECODE_STEPS=8 MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S=0"
 [ ${#bench_args[@]} -gt 0 ] || bench_args=(--dtypes bfloat16 --batch-sizes 1,64 --capture --starts warm \
   --serve-variants "$variants" --repeat 2)
 mkdir -p "$out"
