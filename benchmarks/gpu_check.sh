@@ -59,8 +59,9 @@ tier gpu-tier-float32 tests/gpu/test_parity.py -k float32 &
 float32=$!
 tier gpu-tier tests/gpu -k "not float32"
 wait "$float32"
-cp "$(ls -t /tmp/pytest-of-*/pytest-*/gpu-serve*/server.log 2>/dev/null | head -1)" \
-  "$out/gpu-serve.log" 2>/dev/null
+for log in /tmp/pytest-of-*/pytest-*/gpu-serve*/server.log; do  # each tier server's log
+  [ -f "$log" ] && cp "$log" "$out/$(basename "$(dirname "$log")").log"
+done
 
 wait "$warm"; echo "cache fill: rc=$? at $((SECONDS - start)) s" | tee -a "$out/warm.log"
 start=$SECONDS
