@@ -2,8 +2,10 @@
 `bench_gpu.py` starts, which answered its first request on an H200 and died at the
 second's first step (`CUDA_ERROR_ILLEGAL_ADDRESS`;
 `benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md`). The tier's tiny
-server did not show it. Its graph is the benchmark's (last-position logits), which
-`gpu_check.sh` compiles beside the tier.
+server did not show it, nor did `AutoModel` on the same graph, which turns prefix
+caching and chunked prefill off; the last test runs the same requests in-process with
+them on. The graph is the benchmark's (last-position logits), which `gpu_check.sh`
+compiles beside the tier.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from max.pipelines import AutoModel
 from openai import OpenAI
 
+from gpt2_max.names import PACKAGE
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import random_prompt, random_state_dict
 from gpt2_max.testing.server import MODEL_NAME, max_serve
@@ -22,13 +26,22 @@ from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 pytestmark = pytest.mark.tier("gpu")
 
 
+SEQUENCE = ((16, 8, 999), (16, 128, 100), (40, 200, 101), (3, 1, 102))
+"""(prompt length, new tokens, prompt seed): the benchmark's warm-up and stream first."""
+
+
 @pytest.fixture(scope="module")
-def api(tmp_path_factory) -> OpenAI:
-    folder: Path = tmp_path_factory.mktemp("gpu-serve-gpt2-small")
+def checkpoint(tmp_path_factory) -> Path:
     config = preset_config("gpt2")
-    checkpoint = save_hub_checkpoint(folder / "checkpoint", config, random_state_dict(config))
+    folder = tmp_path_factory.mktemp("gpt2-small")
+    return save_hub_checkpoint(folder, config, random_state_dict(config))
+
+
+@pytest.fixture(scope="module")
+def api(checkpoint, tmp_path_factory) -> OpenAI:
+    log = tmp_path_factory.mktemp("gpu-serve-gpt2-small") / "server.log"
     with max_serve(
-        checkpoint, "--max-batch-size", "64", log=folder / "server.log", devices=None
+        checkpoint, "--max-batch-size", "64", log=log, devices=None
     ) as server, OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
         yield client
 
@@ -41,8 +54,7 @@ def generated(api: OpenAI, prompt: list[int], max_tokens: int) -> int:
 
 
 def test_every_request_after_the_first_is_answered(api):
-    # The benchmark's sequence (a short warm-up, then a stream past a KV page), and more.
-    for length, max_tokens, seed in ((16, 8, 999), (16, 128, 100), (40, 200, 101), (3, 1, 102)):
+    for length, max_tokens, seed in SEQUENCE:
         assert generated(api, random_prompt(length, seed=seed), max_tokens) == max_tokens
 
 
@@ -51,3 +63,20 @@ def test_a_batch_of_concurrent_requests_is_answered(api):
     with ThreadPoolExecutor(len(prompts)) as pool:
         counts = list(pool.map(lambda prompt: generated(api, prompt, 64), prompts))
     assert counts == [64] * len(prompts)
+
+
+def test_the_same_requests_in_process_with_the_servers_cache_settings(checkpoint):
+    model = AutoModel(
+        str(checkpoint), devices="gpu", max_batch_size=64, custom_architectures=[PACKAGE],
+        device_memory_utilization=0.1,  # the server above holds its share of the card
+        enable_prefix_caching=True, enable_chunked_prefill=True,  # AutoModel's are off
+    )
+    try:
+        for length, max_tokens, seed in SEQUENCE:
+            result = model.generate(
+                [random_prompt(length, seed=seed)], max_new_tokens=max_tokens, top_k=1,
+                ignore_eos=True,
+            )
+            assert len(result.sequences[0]) == length + max_tokens
+    finally:
+        model.close()
