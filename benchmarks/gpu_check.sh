@@ -22,12 +22,13 @@ bench_args=("$@")
 # (benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md): MAX's
 # device-sync mode (names the failing kernel), prefix caching and chunked prefill off
 # (AutoModel's settings, where the same graph ran), MAX's legacy KV cache; last,
-# decode bursts of 8.
+# decode bursts of 8 and MAX's device graph capture (which brings its overlap scheduler).
 k1="GPT2_MAX_DECODE_STEPS=1 MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S=0"
 variants="k1:$k1,device-sync:$k1 MODULAR_DEBUG=device-sync-mode"
 variants+=",no-prefix-cache:$k1 --no-enable-prefix-caching --no-enable-chunked-prefill"
 variants+=",legacy-kv:$k1 MODULAR_USE_LEGACY_KV_CACHE=1"
 variants+=",k8:GPT2_MAX_DECODE_STEPS=8 MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S=0"
+variants+=",capture:$k1 --device-graph-capture"
 [ ${#bench_args[@]} -gt 0 ] || bench_args=(--dtypes bfloat16 --batch-sizes 1,64 --capture --starts warm \
   --serve-variants "$variants" --repeat 2)
 mkdir -p "$out"
