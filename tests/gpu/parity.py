@@ -1,12 +1,15 @@
-"""What the tier's tests share: the in-process models' settings, and comparisons of the GPU's
-answers with transformers in float32."""
+"""What the tier's tests share: the in-process models' settings, the served tests' greedy
+request, and comparisons of the GPU's answers with transformers in float32."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from openai import OpenAI
 
+from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import hf_logprobs
+from gpt2_max.testing.server import MODEL_NAME
 
 TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where transformers runs the reference (the same card, where torch sees it)."""
@@ -26,6 +29,17 @@ with the spread faster than the margins do: at the CPU suite's `REFERENCE_STD` (
 transformers' own bfloat16 run already picks another token at a step clearer than
 `BFLOAT16_MARGIN`; at this one its error stays well under the margin while most steps
 remain clear (`benchmarks/results/2026-11-26-gpu-h200-first-bfloat16-run.md`)."""
+
+
+def token_ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+def complete(api: OpenAI, prompt: list[int], max_tokens: int, **extra):
+    """One greedy completion's first choice, its token ids in `token_ids(choice)`."""
+    return api.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, **{**GREEDY, **extra}
+    ).choices[0]
 
 
 def reference_rows(

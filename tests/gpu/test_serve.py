@@ -20,7 +20,7 @@ from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import random_prompt, stopped_text
 from gpt2_max.testing.server import MODEL_NAME, child_env, max_executable, max_serve
 
-from .parity import assert_clear_tokens_match, reference_rows
+from .parity import assert_clear_tokens_match, complete, reference_rows, token_ids
 
 pytestmark = pytest.mark.tier("gpu")
 
@@ -44,16 +44,6 @@ def served(gpu_checkpoint: Path, tmp_path_factory):
 def api(served) -> OpenAI:
     with OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0) as client:
         yield client
-
-
-def token_ids(choice) -> list[int]:
-    return choice.model_extra["token_ids"]
-
-
-def complete(api: OpenAI, prompt: list[int], max_tokens: int, **extra):
-    return api.completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, **{**GREEDY, **extra}
-    ).choices[0]
 
 
 def test_a_plain_start_serves_bfloat16_on_the_gpu(served):

@@ -18,10 +18,11 @@ from max.pipelines import AutoModel
 from openai import OpenAI
 
 from gpt2_max.names import PACKAGE
-from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import random_prompt, random_state_dict
-from gpt2_max.testing.server import MODEL_NAME, max_serve
+from gpt2_max.testing.server import max_serve
 from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
+
+from .parity import complete, token_ids
 
 pytestmark = pytest.mark.tier("gpu")
 
@@ -46,22 +47,16 @@ def api(checkpoint, tmp_path_factory) -> OpenAI:
         yield client
 
 
-def generated(api: OpenAI, prompt: list[int], max_tokens: int) -> int:
-    choice = api.completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, **GREEDY
-    ).choices[0]
-    return len(choice.model_extra["token_ids"])
-
-
 def test_every_request_after_the_first_is_answered(api):
     for length, max_tokens, seed in SEQUENCE:
-        assert generated(api, random_prompt(length, seed=seed), max_tokens) == max_tokens
+        choice = complete(api, random_prompt(length, seed=seed), max_tokens)
+        assert len(token_ids(choice)) == max_tokens
 
 
 def test_a_batch_of_concurrent_requests_is_answered(api):
     prompts = [random_prompt(16, seed=200 + i) for i in range(16)]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        counts = list(pool.map(lambda prompt: generated(api, prompt, 64), prompts))
+        counts = list(pool.map(lambda prompt: len(token_ids(complete(api, prompt, 64))), prompts))
     assert counts == [64] * len(prompts)
 
 
