@@ -41,10 +41,14 @@ The model graph is then split by microbenchmarks of partial graphs on the same
 weights: every projection of the model chained at one row (the matmuls, with
 the bytes they stream and the GB/s that makes), MAX's LayerNorm / GELU /
 residual ops the model runs, and an execute of a one-op graph (the fixed cost
-of a graph call). What the model graph takes beyond those is attention, the
-K/V stores, embeddings and the rest. MAX's profiling (`MODULAR_ENABLE_PROFILING`,
-`--kernel-trace-level`) emits NVTX ranges for Nsight/libkineto, GPU tools that
-record nothing for CPU kernels, hence partial graphs.
+of a graph call). The chain's weights sit in huge-page memory as the model's do.
+For a float32 file the same chain also runs through torch's `F.linear` on the
+same arrays and thread count, in a process of its own: a well-kept library's
+matrix-vector product as the peer for the bandwidth the kernels reach. What the
+model graph takes beyond those is attention, the K/V stores, embeddings and the
+rest. MAX's profiling (`MODULAR_ENABLE_PROFILING`, `--kernel-trace-level`) emits
+NVTX ranges for Nsight/libkineto, GPU tools that record nothing for CPU kernels,
+hence partial graphs.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from max.pipelines.lib import SamplingConfig
 from max.pipelines.sampling.sampling import token_sampler
 
 from gpt2_max import kernels
+from gpt2_max.cpu_runtime import threads
 from gpt2_max.generate import Generator
 from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
 from gpt2_max.shims.internals import gguf_reader
@@ -87,6 +92,7 @@ from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.tools.gguf_config import huggingface_config
 from gpt2_max.weights.gguf import convert_gguf_state_dict, metadata
+from gpt2_max.weights.hugepages import hugepage_array
 from gpt2_max.weights.plan import block_type
 
 PROMPT = list(range(2000, 2016))
@@ -274,19 +280,31 @@ def model_weights(path: Path) -> tuple[dict[str, Any], Any]:
 
 
 def _array(weight: Any) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(weight.data))
+    """The weight where the model keeps it: in huge-page memory, which streams faster
+    than ordinary pages (`weights/hugepages.py`)."""
+    return hugepage_array(np.asarray(weight.data))
 
 
-def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np.ndarray], int]:
-    """A graph multiplying one row through every projection the model runs, in the
-    model's order (a slice of c_attn's output feeds c_proj), then the LM head;
-    the weights are graph inputs. Returns it, its inputs and the bytes of weights
-    it streams."""
+def chain_names(state: dict[str, Any], config: Any) -> list[str]:
+    """Every projection the model runs, in its order, then the LM head."""
     names = []
     for i in range(config.n_layer):
         for part in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
             names.append(f"h.{i}.{part}")
-    head = "lm_head" if "lm_head.weight" in state else "wte"
+    return [*names, "lm_head" if "lm_head.weight" in state else "wte"]
+
+
+def chain_input(name: str, y: Any, config: Any) -> Any:
+    """The next projection's input from this one's output `y`: c_fc's and the head's
+    whole, the others' first `n_embd` columns (a slice of c_attn's feeds c_proj)."""
+    return y if name.endswith(("mlp.c_fc", "lm_head", "wte")) else y[:, : config.n_embd]
+
+
+def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np.ndarray], int]:
+    """A graph multiplying one row through every projection the model runs, in the
+    model's order, then the LM head; the weights are graph inputs. Returns it, its
+    inputs and the bytes of weights it streams."""
+    *names, head = chain_names(state, config)
     arrays: list[np.ndarray] = [np.zeros((1, config.n_embd), np.float32)]
     types = [TensorType(DType.float32, [1, config.n_embd], DeviceRef.CPU())]
     plan = []
@@ -319,7 +337,7 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
                 y = kernels.skinny_linear(x, w, b)
             else:
                 y = kernels.skinny_matmul(x, w)
-            x = y if name == head or name.endswith("mlp.c_fc") else y[:, : config.n_embd]
+            x = chain_input(name, y, config)
         graph.output(x)
     return graph, arrays, nbytes
 
@@ -362,10 +380,17 @@ def time_execute(model: Any, buffers: list[Buffer], repeat: int) -> float:
 
 def graph_split(path: Path, repeat: int) -> dict[str, float]:
     state, config = model_weights(path)
+    before = threads.thread_ids()
     session = InferenceSession(devices=[CPU()])
     chain, arrays, nbytes = projection_chain(state, config)
     buffers = [Buffer.from_numpy(a) for a in arrays]
-    matmuls = time_execute(session.load(chain), buffers, repeat)
+    compiled = session.load(chain)
+    compiled.execute(*buffers)
+    # MAX's threads as the model's runtime policy sets them (`cpu_runtime`), which the
+    # model graph's figure above ran under.
+    threads.yield_to_main_thread()
+    threads.idle_engine_poller(before)
+    matmuls = time_execute(compiled, buffers, repeat)
     d = config.n_embd
     small = time_execute(session.load(small_ops(config)), [
         Buffer.from_numpy(np.ones((1, d), np.float32)),
@@ -381,9 +406,44 @@ def graph_split(path: Path, repeat: int) -> dict[str, float]:
     }
 
 
+def torch_chain(path: Path, repeat: int) -> dict[str, float]:
+    """`projection_chain` through torch's `F.linear` on the same huge-page arrays and
+    `THREADS` threads; empty unless every projection weight is float32."""
+    import torch
+
+    state, config = model_weights(path)
+    names = chain_names(state, config)
+    weights = [state[f"{name}.weight"] for name in names]
+    if any(block_type(w) is not None or np.asarray(w.data).dtype != np.float32
+           for w in weights):
+        return {}
+    torch.set_num_threads(THREADS)
+    plan = [(name, torch.from_numpy(_array(w)),
+             torch.from_numpy(_array(state[f"{name}.bias"]))
+             if f"{name}.bias" in state else None)
+            for name, w in zip(names, weights, strict=True)]
+    first = torch.zeros((1, config.n_embd))
+
+    def run() -> None:
+        x = first
+        for name, w, b in plan:
+            x = chain_input(name, torch.nn.functional.linear(x, w, b), config)
+
+    with torch.inference_mode():
+        for _ in range(5):
+            run()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return {"torch chain": statistics.median(times) * 1e3, "torch": torch.__version__}
+
+
 PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, float]]] = {
     "step": lambda path, args: step_accounting(path, args.new_tokens),
     "split": lambda path, args: graph_split(path, args.repeat),
+    "peer": lambda path, args: torch_chain(path, args.repeat),
     "serve": lambda path, args: serve_accounting(
         path, args.new_tokens, dict(item.split("=", 1) for item in args.serve_env)
     ),
@@ -444,6 +504,11 @@ def main() -> None:
             print(f"  {name:<34} {steps[name]:8.3f}")
         print(f"    {'projections, alone at 1 row':<32} {split['projections (graph)']:8.3f}"
               f"   ({split['weight MB']:.0f} MB, {split['GB/s']:.1f} GB/s)")
+        peer = measure("peer", path, args)
+        if peer:
+            print(f"    {'the same through torch (peer)':<32} {peer['torch chain']:8.3f}"
+                  f"   ({split['weight MB'] / peer['torch chain']:.1f} GB/s, torch "
+                  f"{peer['torch']}, F.linear)")
         print(f"    {'LayerNorm/GELU/residual ops':<32} {split['small ops (graph)']:8.3f}")
         print(f"    {'attention, K/V stores, rest':<32} {rest:8.3f}"
               f"   (a one-op graph executes in {split['one-op graph']:.3f})")
