@@ -109,6 +109,7 @@ class GPT2Block(Module[..., Tensor]):
     """Pre-LayerNorm transformer block with residual connections."""
 
     def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
+        self.layers = layers
         self.ln_1 = layer_norm(config)
         self.attn = GPT2Attention(config, layers, layer_idx)
         self.ln_2 = layer_norm(config)
@@ -117,6 +118,13 @@ class GPT2Block(Module[..., Tensor]):
     def forward(
         self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
     ) -> Tensor:
+        # The layers may run the whole block as one op (`Layers.block`).
+        return self.layers.block(self, x, kv_collection, input_row_offsets)
+
+    def composed(
+        self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
+    ) -> Tensor:
+        """The block from its modules: the definition `Layers.block` must compute."""
         x = x + self.attn(self.ln_1(x), kv_collection, input_row_offsets)
         return x + self.mlp(self.ln_2(x))
 

@@ -88,6 +88,31 @@ def paged_attention(
     )[0]
 
 
+def decoder_block(
+    x: Any, ln_1: Any, c_attn: Any, c_proj: Any, ln_2: Any, c_fc: Any, mlp_proj: Any,
+    input_row_offsets: Any, kv_collection: Any, layer_idx: Any, scale: float, head_dim: int,
+) -> Tensor:
+    """One GPT-2 block, `h = x + attn(ln_1(x))` then `h + mlp(ln_2(h))` with a tanh GELU,
+    as one op (see `mojo/block.mojo`); the step's keys and values go into layer
+    `layer_idx` of the paged cache. The LayerNorms are `(weight, bias, eps)`, the
+    projections `(weight, bias)` with `[out, in]` weights of one dtype (float32 or
+    float16)."""
+    cpu = DeviceRef.CPU()
+    out = TensorType(DType.float32, list(x.shape), DeviceRef.from_device(x.device))
+    values = [
+        x, ln_1[0], ln_1[1], *c_attn, *c_proj, ln_2[0], ln_2[1], *c_fc, *mlp_proj,
+        input_row_offsets, kv_collection.kv_blocks, kv_collection.page_stride,
+        kv_collection.cache_lengths, kv_collection.lookup_table, layer_idx,
+        F.constant(scale, DType.float32, device=cpu),
+        F.constant(ln_1[2], DType.float32, device=cpu),
+    ]
+    return F.inplace_custom(
+        "gpt2_decoder_block", x.device, values, [out],
+        parameters={"head_dim": head_dim, "max_rows": SKINNY_MAX_ROWS},
+        custom_extensions=[compiled_package(MOJO_PACKAGE)],
+    )[0]
+
+
 def _same_features(x: Any, w: Any) -> None:
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features per row, w {w.shape[1]}")

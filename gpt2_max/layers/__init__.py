@@ -75,6 +75,13 @@ class Layers:
             scale=scale,
         )
 
+    def block(
+        self, block: Any, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
+    ) -> Tensor:
+        """A transformer block (`gpt2.GPT2Block`) applied to `x`: its modules one after
+        the other (`GPT2Block.composed`)."""
+        return block.composed(x, kv_collection, input_row_offsets)
+
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The weights in the graph's dtype, each cast from its own.
 

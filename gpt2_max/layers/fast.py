@@ -9,21 +9,57 @@ skinny Mojo kernel at decode sizes and uses MAX's matmul for float32 prefills.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from max.driver import CPU
+from max.dtype import DType
+from max.experimental import functional as F
 from max.experimental import nn
 from max.experimental.tensor import Tensor
 from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
+from ..names import env_var
 from . import Layers
 from .embedding import Embedding
 from .linear import SkinnyLinear, project
 from .quantized import QuantizedLinear, repack
 
+FUSE_BLOCKS_ENV = env_var("FUSE_BLOCKS")
+"""Set to `0` to run every block as its modules' ops (the unfused graph), for comparison."""
+
 
 class FastLayers(Layers):
     """Layers for the weights as loaded, through this package's kernels."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.fuse_blocks = os.environ.get(FUSE_BLOCKS_ENV, "").strip() != "0"
+
+    def block(
+        self, block: Any, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
+    ) -> Tensor:
+        """The block as one op (`kernels.decoder_block`) where its shape allows: float
+        projections of one dtype with biases, a tanh GELU, as many key heads as query
+        heads; else its modules."""
+        attn, mlp = block.attn, block.mlp
+        projections = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+        if not (
+            self.fuse_blocks
+            and self.config.activation == "gelu_tanh"
+            and all(isinstance(p, SkinnyLinear) and isinstance(p.bias, Tensor) for p in projections)
+            and len({p.weight.dtype for p in projections}) == 1
+            and all(n.weight.dtype == DType.float32 for n in (block.ln_1, block.ln_2))
+        ):
+            return super().block(block, x, kv_collection, input_row_offsets)
+        layer_idx = F.constant(attn.layer_idx, DType.uint32, device=CPU())
+        c_attn, c_proj, c_fc, mlp_proj = ((p.weight, p.bias) for p in projections)
+        return kernels.decoder_block(
+            x, (block.ln_1.weight, block.ln_1.bias, block.ln_1.eps), c_attn, c_proj,
+            (block.ln_2.weight, block.ln_2.bias), c_fc, mlp_proj,
+            input_row_offsets, kv_collection, layer_idx, attn.scale, attn.head_dim,
+        )
 
     def linear(self, name: str, in_dim: int, out_dim: int, *, bias: bool = True) -> nn.Module:
         weight = f"{name}.weight"

@@ -35,18 +35,55 @@ SEQUENCES = {
 """(cached tokens, query rows this step) per sequence of the batch."""
 
 
-@functools.cache
-def attention_op(heads: int, kv_heads: int, head_dim: int, scale: float):
-    """The op for one head shape, compiled once over symbolic batch and cache sizes."""
+def cache_types(kv_heads: int, head_dim: int) -> list:
+    """The op's inputs after its activations: row offsets, the paged cache (a buffer the
+    op may write), its page stride, cache lengths, lookup table and layer."""
     cpu = DeviceRef.CPU()
-    types = [
-        TensorType(DType.float32, ["tokens", heads, head_dim], cpu),
+    return [
         TensorType(DType.uint32, ["batch_plus_1"], cpu),
         BufferType(DType.float32, ["pages", 2, LAYERS, PAGE, kv_heads, head_dim], cpu),
         TensorType(DType.int64, [1], cpu),
         TensorType(DType.uint32, ["batch"], cpu),
         TensorType(DType.uint32, ["batch", "max_pages"], cpu),
         TensorType(DType.uint32, [], cpu),
+    ]
+
+
+def paged_cache(sequences, kv_heads: int, head_dim: int, rng):
+    """A random cache for `sequences` ((cached, rows) each): its blocks, the cache
+    lengths, row offsets and lookup table. Every sequence's pages are shuffled over a
+    pool with spare pages; unused table entries point at a page no sequence owns."""
+    cached, rows = (np.array(x, dtype=np.uint32) for x in zip(*sequences, strict=True))
+    offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.uint32)
+    pages_per_seq = [-(-int(c + r) // PAGE) for c, r in zip(cached, rows, strict=True)]
+    pool = rng.permutation(sum(pages_per_seq) + 3)
+    lut = np.full((len(rows), max(pages_per_seq) + 1), pool[-1], dtype=np.uint32)
+    taken = 0
+    for b, n in enumerate(pages_per_seq):
+        lut[b, :n] = pool[taken : taken + n]
+        taken += n
+    blocks = rng.standard_normal(
+        (len(pool), 2, LAYERS, PAGE, kv_heads, head_dim), dtype=np.float32
+    )
+    return blocks, cached, offsets, lut
+
+
+def cache_inputs(offsets, blocks, cached, lut) -> list:
+    """`cache_types`' values (`blocks` a buffer the op writes)."""
+    return [
+        Buffer.from_numpy(offsets), blocks, Buffer.from_numpy(np.array([-1], dtype=np.int64)),
+        Buffer.from_numpy(cached), Buffer.from_numpy(lut),
+        Buffer.from_numpy(np.array(LAYER, dtype=np.uint32)),
+    ]
+
+
+@functools.cache
+def attention_op(heads: int, kv_heads: int, head_dim: int, scale: float):
+    """The op for one head shape, compiled once over symbolic batch and cache sizes."""
+    cpu = DeviceRef.CPU()
+    types = [
+        TensorType(DType.float32, ["tokens", heads, head_dim], cpu),
+        *cache_types(kv_heads, head_dim),
     ]
     with Graph(f"attention_{heads}_{kv_heads}_{head_dim}", input_types=types) as graph:
         q, offsets, blocks, stride, lengths, lut, layer = graph.inputs
@@ -81,28 +118,12 @@ def reference(q, offsets, blocks, lengths, lut, scale):
 def run(sequences, heads, kv_heads, head_dim, seed):
     rng = np.random.default_rng(seed)
     scale = 1 / np.sqrt(head_dim)
-    cached, rows = (np.array(x, dtype=np.uint32) for x in zip(*sequences, strict=True))
-    offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.uint32)
-    pages_per_seq = [-(-int(c + r) // PAGE) for c, r in zip(cached, rows, strict=True)]
-    width = max(pages_per_seq) + 1
-    # Every sequence's pages, shuffled over a pool with spare pages; unused table
-    # entries point at a page no sequence owns.
-    pool = rng.permutation(sum(pages_per_seq) + 3)
-    lut = np.full((len(rows), width), pool[-1], dtype=np.uint32)
-    taken = 0
-    for b, n in enumerate(pages_per_seq):
-        lut[b, :n] = pool[taken : taken + n]
-        taken += n
-    blocks = rng.standard_normal(
-        (len(pool), 2, LAYERS, PAGE, kv_heads, head_dim), dtype=np.float32
-    )
+    blocks, cached, offsets, lut = paged_cache(sequences, kv_heads, head_dim, rng)
     # Large enough scores that the softmax is far from uniform.
     q = 2 * rng.standard_normal((int(offsets[-1]), heads, head_dim), dtype=np.float32)
     op = attention_op(heads, kv_heads, head_dim, float(scale))
     got = op.execute(
-        Buffer.from_numpy(q), Buffer.from_numpy(offsets), Buffer.from_numpy(blocks),
-        Buffer.from_numpy(np.array([-1], dtype=np.int64)), Buffer.from_numpy(cached),
-        Buffer.from_numpy(lut), Buffer.from_numpy(np.array(LAYER, dtype=np.uint32)),
+        Buffer.from_numpy(q), *cache_inputs(offsets, Buffer.from_numpy(blocks), cached, lut)
     )[0].to_numpy()
     expected = reference(q, offsets, blocks, cached, lut, scale)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)

@@ -271,96 +271,148 @@ def _few_queries[D: Int](
                 o.unsafe_store(i * ld + h0 * D + e, acc.unsafe_load[width=W](e) * scale_g)
 
 
-def paged_attention[D: Int](
-    o: F32Ptr, q: F32Ptr, offsets: U32Ptr, B: Int, H: Int,
-    blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, Hkv: Int, layer: Int,
-    cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32,
-    max_tasks: Int, ctx: Optional[CpuCtx],
-) raises:
-    """Attention of every query row of `q` ([rows, H, D]) into `o`, see the module doc.
+@fieldwise_init
+struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
+    """One step's attention cut into units of work (see `paged_attention`), for a fixed
+    number of tasks: task `t` of `ntasks` runs units `t, t + ntasks, ...` (`run`)."""
 
-    A unit of work is one head of a sequence with many query rows, or a range of heads
-    of one with few: all of them when there are at least as many such sequences as
-    tasks, else a task's share, so a single decode row still spreads over the threads."""
-    var row = Hkv * D
-    var v_off = L * page_size * row
-    var layer_base = blocks + layer * page_size * row
-    var group = H // Hkv
-    var most_keys = 0
-    var work = 0
-    var few = 0
-    for b in range(B):
-        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
-        var n = Int(cache_lengths.unsafe_load(b)) + nq
-        if nq:
-            most_keys = max(most_keys, n)
-        if nq and nq < FEW:
-            few += 1
-        work += nq * n
-    var ldk = ((most_keys + KW - 1) // KW) * KW
-    var ntasks = 1 if work * H * D < SERIAL_WORK else max(1, max_tasks)
-    var splits = max(1, min(H, ntasks // max(1, few)))
-    # first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1].
-    var first_unit = alloc[Int](B + 1)
-    first_unit.unsafe_store(0, 0)
-    for b in range(B):
-        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
-        var count = 0 if nq == 0 else (splits if nq < FEW else H)
-        first_unit.unsafe_store(b + 1, first_unit.unsafe_load(b) + count)
-    var units = first_unit.unsafe_load(B)
-    ntasks = min(ntasks, max(1, units))
+    var o: F32Ptr
+    var q: F32Ptr
+    var offsets: U32Ptr
+    var B: Int
+    var H: Int
+    var layer_base: F32Ptr
+    var page_elems: Int
+    var page_size: Int
+    var row: Int
+    var v_off: Int
+    var group: Int
+    var cache_lengths: U32Ptr
+    var lut: U32Ptr
+    var lut_cols: Int
+    var scale: Float32
+    var ldk: Int
+    var splits: Int
+    var units: Int
+    var first_unit: UnsafePointer[Int, MutUntrackedOrigin]
+    """first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1]."""
 
-    def task(t: Int) {
-        imm o, imm q, imm offsets, imm B, imm H, imm layer_base, imm page_elems,
-        imm page_size, imm row, imm v_off, imm group, imm cache_lengths, imm lut,
-        imm lut_cols, imm scale, imm ldk, imm units, imm ntasks, imm first_unit, imm splits,
-    }:
+    def run(self, t: Int, ntasks: Int):
+        comptime D = Self.head_dim
+        var H = self.H
+        var ldk = self.ldk
         var s = alloc[Float32](max(QT, H) * ldk + KW, alignment=64)
         var kt = alloc[Float32](D * ldk + KW, alignment=64)
         var inv = alloc[Float32](max(QT, H), alignment=64)
         var acc = alloc[Float32](H * D, alignment=64)
-        for u in range(t, units, ntasks):
+        for u in range(t, self.units, ntasks):
             # The sequence owning unit u: the last b with first_unit[b] <= u.
             var lo = 0
-            var hi = B
+            var hi = self.B
             while hi - lo > 1:
                 var mid = (lo + hi) // 2
-                if first_unit.unsafe_load(mid) <= u:
+                if self.first_unit.unsafe_load(mid) <= u:
                     lo = mid
                 else:
                     hi = mid
             var b = lo
-            while first_unit.unsafe_load(b + 1) <= u:
+            while self.first_unit.unsafe_load(b + 1) <= u:
                 b += 1
-            var k = u - first_unit.unsafe_load(b)
-            var first = Int(offsets.unsafe_load(b))
-            var nq = Int(offsets.unsafe_load(b + 1)) - first
-            var cache = Int(cache_lengths.unsafe_load(b))
+            var k = u - self.first_unit.unsafe_load(b)
+            var first = Int(self.offsets.unsafe_load(b))
+            var nq = Int(self.offsets.unsafe_load(b + 1)) - first
+            var cache = Int(self.cache_lengths.unsafe_load(b))
             var at = first * H * D
             if nq < FEW:
                 var pages = Pages(
-                    layer_base, lut + b * lut_cols, page_elems, page_size, row, v_off
+                    self.layer_base, self.lut + b * self.lut_cols, self.page_elems,
+                    self.page_size, self.row, self.v_off,
                 )
                 _few_queries[D](
-                    o + at, q + at, H * D, nq, cache, pages, scale,
-                    k * H // splits, (k + 1) * H // splits, group, s, ldk, inv, acc,
+                    self.o + at, self.q + at, H * D, nq, cache, pages, self.scale,
+                    k * H // self.splits, (k + 1) * H // self.splits, self.group,
+                    s, ldk, inv, acc,
                 )
             else:
                 var pages = Pages(
-                    layer_base + (k // group) * D, lut + b * lut_cols,
-                    page_elems, page_size, row, v_off,
+                    self.layer_base + (k // self.group) * D, self.lut + b * self.lut_cols,
+                    self.page_elems, self.page_size, self.row, self.v_off,
                 )
                 _many_queries[D](
-                    o + at + k * D, q + at + k * D, H * D, nq, cache, pages, scale,
-                    s, kt, ldk, inv,
+                    self.o + at + k * D, self.q + at + k * D, H * D, nq, cache, pages,
+                    self.scale, s, kt, ldk, inv,
                 )
         s.free()
         kt.free()
         inv.free()
         acc.free()
 
+    def free(self):
+        self.first_unit.free()
+
+
+def attention_work(offsets: U32Ptr, B: Int, cache_lengths: U32Ptr) -> Int:
+    """Query-key pairs of the whole batch."""
+    var work = 0
+    for b in range(B):
+        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
+        work += nq * (Int(cache_lengths.unsafe_load(b)) + nq)
+    return work
+
+
+def plan_attention[D: Int](
+    o: F32Ptr, q: F32Ptr, offsets: U32Ptr, B: Int, H: Int,
+    blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, Hkv: Int, layer: Int,
+    cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,
+) -> AttentionPlan[D]:
+    """The units of `paged_attention`'s work for `ntasks` tasks (free it with `free`).
+
+    A unit is one head of a sequence with many query rows, or a range of heads of one
+    with few: all of them when there are at least as many such sequences as tasks, else
+    a task's share, so a single decode row still spreads over the threads."""
+    var row = Hkv * D
+    var most_keys = 0
+    var few = 0
+    for b in range(B):
+        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
+        if nq:
+            most_keys = max(most_keys, Int(cache_lengths.unsafe_load(b)) + nq)
+        if nq and nq < FEW:
+            few += 1
+    var splits = max(1, min(H, ntasks // max(1, few)))
+    var first_unit = alloc[Int](B + 1)
+    first_unit.unsafe_store(0, 0)
+    for b in range(B):
+        var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
+        var count = 0 if nq == 0 else (splits if nq < FEW else H)
+        first_unit.unsafe_store(b + 1, first_unit.unsafe_load(b) + count)
+    return AttentionPlan[D](
+        o, q, offsets, B, H, blocks + layer * page_size * row, page_elems, page_size, row,
+        L * page_size * row, H // Hkv, cache_lengths, lut, lut_cols, scale,
+        ((most_keys + KW - 1) // KW) * KW, splits, first_unit.unsafe_load(B), first_unit,
+    )
+
+
+def paged_attention[D: Int](
+    o: F32Ptr, q: F32Ptr, offsets: U32Ptr, B: Int, H: Int,
+    blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, Hkv: Int, layer: Int,
+    cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32,
+    max_tasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    """Attention of every query row of `q` ([rows, H, D]) into `o`, see the module doc,
+    on up to `max_tasks` tasks (`plan_attention`'s units)."""
+    var ntasks = 1 if attention_work(offsets, B, cache_lengths) * H * D < SERIAL_WORK else max(1, max_tasks)
+    var plan = plan_attention[D](
+        o, q, offsets, B, H, blocks, page_elems, L, page_size, Hkv, layer,
+        cache_lengths, lut, lut_cols, scale, ntasks,
+    )
+    ntasks = min(ntasks, max(1, plan.units))
+
+    def task(t: Int) {imm plan, imm ntasks}:
+        plan.run(t, ntasks)
+
     if ntasks == 1:
-        task(0)
+        plan.run(0, 1)
     else:
         sync_parallelize(task, ntasks, ctx)
-    first_unit.free()
+    plan.free()

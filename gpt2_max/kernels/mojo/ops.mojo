@@ -32,9 +32,9 @@ from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
 from .skinny import CpuCtx, F32Ptr, WPtr, skinny_matmul
 
 
-def _run[wdt: DType, max_rows: Int](
+def run_linear[wdt: DType, max_rows: Int](
     y: F32Ptr, x: F32Ptr, w: WPtr[wdt], b: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ctx: DeviceContext,
+    M: Int, K: Int, N: Int, has_bias: Bool,
 ) raises:
     comptime if wdt == DType.float32:
         if M > max_rows:
@@ -79,10 +79,10 @@ struct SkinnyLinear:
         b: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
         ctx: DeviceContext,
     ) raises:
-        _run[wdt, max_rows](
+        run_linear[wdt, max_rows](
             rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
             rebind[WPtr[wdt]](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
-            x.dim_size(0), x.dim_size(1), w.dim_size(0), True, ctx,
+            x.dim_size(0), x.dim_size(1), w.dim_size(0), True,
         )
 
 
@@ -99,9 +99,9 @@ struct SkinnyMatmul:
     ) raises:
         var xp = rebind[F32Ptr](x.unsafe_ptr())
         # No bias: neither kernel reads `b` when has_bias is False.
-        _run[wdt, max_rows](
+        run_linear[wdt, max_rows](
             rebind[F32Ptr](y.unsafe_ptr()), xp, rebind[WPtr[wdt]](w.unsafe_ptr()),
-            xp, x.dim_size(0), x.dim_size(1), w.dim_size(0), False, ctx,
+            xp, x.dim_size(0), x.dim_size(1), w.dim_size(0), False,
         )
 
 
