@@ -5,6 +5,8 @@ GGUF blocks a `QuantizedLinear`, float matrices (float32 or float16) a
 `SkinnyLinear`, tables an `Embedding` in their loaded dtype. Projections and a
 tied head go through `linear.project`, which streams the weights through the
 skinny Mojo kernel at decode sizes and uses MAX's matmul for float32 prefills.
+A block whose projections are float runs as one op (`block`), which saves MAX's
+cost between ops at every decode step (`docs/performance.md`, "One op a block").
 """
 
 from __future__ import annotations
