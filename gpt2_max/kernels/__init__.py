@@ -94,9 +94,9 @@ def decoder_block(
 ) -> Tensor:
     """One GPT-2 block, `h = x + attn(ln_1(x))` then `h + mlp(ln_2(h))` with a tanh GELU,
     as one op (see `mojo/block.mojo`); the step's keys and values go into layer
-    `layer_idx` of the paged cache. The LayerNorms are `(weight, bias, eps)`, the
-    projections `(weight, bias)` with `[out, in]` weights of one dtype (float32 or
-    float16)."""
+    `layer_idx` of the paged cache. `ln_1` is `(weight, bias, eps)`, `ln_2`
+    `(weight, bias)` normalized with the same eps (GPT-2 has one), the projections
+    `(weight, bias)` with `[out, in]` weights of one dtype (float32 or float16)."""
     cpu = DeviceRef.CPU()
     out = TensorType(DType.float32, list(x.shape), DeviceRef.from_device(x.device))
     values = [

@@ -297,6 +297,13 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
     var first_unit: UnsafePointer[Int, MutUntrackedOrigin]
     """first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1]."""
 
+    def pages(self, b: Int, kv_head: Int) -> Pages:
+        """Where sequence `b`'s keys and values of `kv_head` lie in this layer."""
+        return Pages(
+            self.layer_base + kv_head * Self.head_dim, self.lut + b * self.lut_cols,
+            self.page_elems, self.page_size, self.row, self.v_off,
+        )
+
     def run(self, t: Int, ntasks: Int):
         comptime D = Self.head_dim
         var H = self.H
@@ -324,20 +331,14 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
             var cache = Int(self.cache_lengths.unsafe_load(b))
             var at = first * H * D
             if nq < FEW:
-                var pages = Pages(
-                    self.layer_base, self.lut + b * self.lut_cols, self.page_elems,
-                    self.page_size, self.row, self.v_off,
-                )
+                var pages = self.pages(b, 0)
                 _few_queries[D](
                     self.o + at, self.q + at, H * D, nq, cache, pages, self.scale,
                     k * H // self.splits, (k + 1) * H // self.splits, self.group,
                     s, ldk, inv, acc,
                 )
             else:
-                var pages = Pages(
-                    self.layer_base + (k // self.group) * D, self.lut + b * self.lut_cols,
-                    self.page_elems, self.page_size, self.row, self.v_off,
-                )
+                var pages = self.pages(b, k // self.group)
                 _many_queries[D](
                     self.o + at + k * D, self.q + at + k * D, H * D, nq, cache, pages,
                     self.scale, s, kt, ldk, inv,
@@ -393,6 +394,27 @@ def plan_attention[D: Int](
     )
 
 
+def attention_tasks(
+    offsets: U32Ptr, B: Int, cache_lengths: U32Ptr, H: Int, D: Int, max_tasks: Int
+) -> Int:
+    """How many tasks a step's attention is planned for: one below `SERIAL_WORK`."""
+    return 1 if attention_work(offsets, B, cache_lengths) * H * D < SERIAL_WORK else max(1, max_tasks)
+
+
+def run_attention[D: Int](plan: AttentionPlan[D], ntasks: Int, ctx: Optional[CpuCtx]) raises:
+    """Every unit of `plan` (made for `ntasks` tasks), on the calling thread when one
+    task is all it needs."""
+    var tasks = min(ntasks, max(1, plan.units))
+
+    def task(t: Int) {imm plan, imm tasks}:
+        plan.run(t, tasks)
+
+    if tasks == 1:
+        plan.run(0, 1)
+    else:
+        sync_parallelize(task, tasks, ctx)
+
+
 def paged_attention[D: Int](
     o: F32Ptr, q: F32Ptr, offsets: U32Ptr, B: Int, H: Int,
     blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, Hkv: Int, layer: Int,
@@ -401,18 +423,10 @@ def paged_attention[D: Int](
 ) raises:
     """Attention of every query row of `q` ([rows, H, D]) into `o`, see the module doc,
     on up to `max_tasks` tasks (`plan_attention`'s units)."""
-    var ntasks = 1 if attention_work(offsets, B, cache_lengths) * H * D < SERIAL_WORK else max(1, max_tasks)
+    var ntasks = attention_tasks(offsets, B, cache_lengths, H, D, max_tasks)
     var plan = plan_attention[D](
         o, q, offsets, B, H, blocks, page_elems, L, page_size, Hkv, layer,
         cache_lengths, lut, lut_cols, scale, ntasks,
     )
-    ntasks = min(ntasks, max(1, plan.units))
-
-    def task(t: Int) {imm plan, imm ntasks}:
-        plan.run(t, ntasks)
-
-    if ntasks == 1:
-        plan.run(0, 1)
-    else:
-        sync_parallelize(task, ntasks, ctx)
+    run_attention(plan, ntasks, ctx)
     plan.free()

@@ -29,9 +29,9 @@ from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
-from .attention import U32Ptr, paged_attention, plan_attention
+from .attention import AttentionPlan, U32Ptr, attention_tasks, plan_attention, run_attention
 from .ops import run_linear
-from .skinny import CpuCtx, F32Ptr, R, WPtr, _block
+from .skinny import CpuCtx, F32Ptr, R, WPtr, _block, take_share
 
 comptime SW = simd_width_of[DType.float32]()
 comptime PAD = 8
@@ -175,24 +175,6 @@ def chunks[wdt: DType](N: Int, K: Int) -> Int:
 
 
 @always_inline
-def _take[Work: def(Int) -> None](
-    work: Work, items: Int, t: Int, T: Int, counters: UnsafePointer[Atomic[Int64], MutUntrackedOrigin]
-):
-    """Task `t`'s part of `items`, as `skinny.share_out` shares them: its own band in
-    order, then what is left of the others' (`counters[band * PAD]` counts a band's
-    taken items)."""
-    for k in range(T):
-        var band = (t + k) % T
-        var first = band * items // T
-        var size = (band + 1) * items // T - first
-        while True:
-            var i = Int(counters[band * PAD].fetch_add(1))
-            if i >= size:
-                break
-            work(first + i)
-
-
-@always_inline
 def _wait(arrived: UnsafePointer[Atomic[Int64], MutUntrackedOrigin], goal: Int):
     """Arrives at the barrier and waits until `goal` arrivals in all (the counter only
     grows: the n-th barrier of T tasks waits for n * T)."""
@@ -205,24 +187,23 @@ def _wait(arrived: UnsafePointer[Atomic[Int64], MutUntrackedOrigin], goal: Int):
             _ = external_call["sched_yield", Int32]()
 
 
-def _store_rows(
-    q: F32Ptr, qkv: F32Ptr, d: Int, b: Int, offsets: U32Ptr, cache_lengths: U32Ptr,
-    layer_base: F32Ptr, page_elems: Int, page_size: Int, v_off: Int, lut: U32Ptr, lut_cols: Int,
-):
+def _store_rows[D: Int](plan: AttentionPlan[D], q: F32Ptr, qkv: F32Ptr, d: Int, b: Int):
     """Sequence `b`'s rows: queries into `q`, keys and values into the cache behind what
-    it held (as `store_k/v_cache_ragged` write them)."""
-    var first = Int(offsets.unsafe_load(b))
-    var last = Int(offsets.unsafe_load(b + 1))
-    var cached = Int(cache_lengths.unsafe_load(b))
+    it held (as `store_k/v_cache_ragged` write them), where `plan`'s attention reads
+    them."""
+    var first = Int(plan.offsets.unsafe_load(b))
+    var last = Int(plan.offsets.unsafe_load(b + 1))
+    var cached = Int(plan.cache_lengths.unsafe_load(b))
+    var pages = plan.pages(b, 0)
     for r in range(first, last):
         var pos = cached + r - first
-        var page = Int(lut.unsafe_load(b * lut_cols + pos // page_size))
-        var key = layer_base + page * page_elems + (pos % page_size) * d
+        var key = pages.key(pos // pages.page_size, pos % pages.page_size)
+        var value = pages.value(pos // pages.page_size, pos % pages.page_size)
         var src = qkv + r * 3 * d
         for k in range(d):
             q.unsafe_store(r * d + k, src.unsafe_load(k))
             key.unsafe_store(k, src.unsafe_load(d + k))
-            key.unsafe_store(v_off + k, src.unsafe_load(2 * d + k))
+            value.unsafe_store(k, src.unsafe_load(2 * d + k))
 
 
 def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
@@ -235,9 +216,6 @@ def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
     each)."""
     var d = blk.d
     var M = blk.M
-    var row = d
-    var layer_base = blocks + layer * page_size * row
-    var v_off = L * page_size * row
     if M > max_rows:
         _staged[wdt, head_dim, max_rows](
             blk, offsets, B, H, blocks, page_elems, L, page_size, layer, cache_lengths,
@@ -258,9 +236,7 @@ def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
     var ln = alloc[Float32](T * M * d, alignment=64)
 
     def task(t: Int) {
-        imm blk, imm offsets, imm B, imm d, imm M, imm layer_base, imm page_elems,
-        imm page_size, imm v_off, imm cache_lengths, imm lut, imm lut_cols, imm plan,
-        imm counters, imm arrived, imm ln, imm T,
+        imm blk, imm B, imm d, imm M, imm plan, imm counters, imm arrived, imm ln, imm T,
     }:
         var mine = ln + t * M * d
         var null = blk.x
@@ -269,13 +245,10 @@ def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
         def qkv(c: Int) {imm blk, imm mine, imm d, imm null}:
             blk.project_chunk(mine, blk.w_qkv, blk.b_qkv, blk.qkv, d, 3 * d, c, null, False, False)
 
-        _take(qkv, chunks[wdt](3 * d, d), t, T, counters)
+        take_share(qkv, chunks[wdt](3 * d, d), t, T, counters, PAD)
         _wait(arrived, T)
         for b in range(t, B, T):
-            _store_rows(
-                blk.q, blk.qkv, d, b, offsets, cache_lengths, layer_base, page_elems,
-                page_size, v_off, lut, lut_cols,
-            )
+            _store_rows(plan, blk.q, blk.qkv, d, b)
         _wait(arrived, 2 * T)
         plan.run(t, T)
         _wait(arrived, 3 * T)
@@ -283,20 +256,20 @@ def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
         def attn_out(c: Int) {imm blk, imm d}:
             blk.project_chunk(blk.o, blk.w_o, blk.b_o, blk.h, d, d, c, blk.x, True, False)
 
-        _take(attn_out, chunks[wdt](d, d), t, T, counters + T * PAD)
+        take_share(attn_out, chunks[wdt](d, d), t, T, counters + T * PAD, PAD)
         _wait(arrived, 4 * T)
         blk.layer_norm_rows(blk.h, blk.ln2_g, blk.ln2_b, mine, 0, M)
 
         def fc(c: Int) {imm blk, imm mine, imm d, imm null}:
             blk.project_chunk(mine, blk.w_fc, blk.b_fc, blk.f, d, blk.ff, c, null, False, True)
 
-        _take(fc, chunks[wdt](blk.ff, d), t, T, counters + 2 * T * PAD)
+        take_share(fc, chunks[wdt](blk.ff, d), t, T, counters + 2 * T * PAD, PAD)
         _wait(arrived, 5 * T)
 
         def mlp_out(c: Int) {imm blk, imm d}:
             blk.project_chunk(blk.f, blk.w_p, blk.b_p, blk.y, blk.ff, d, c, blk.h, True, False)
 
-        _take(mlp_out, chunks[wdt](d, blk.ff), t, T, counters + 3 * T * PAD)
+        take_share(mlp_out, chunks[wdt](d, blk.ff), t, T, counters + 3 * T * PAD, PAD)
 
     sync_parallelize(task, T, ctx)
     ln.free()
@@ -330,16 +303,15 @@ def _staged[wdt: DType, head_dim: Int, max_rows: Int](
 
     _rows_parallel(ln1, M, ntasks, ctx)
     run_linear[wdt, max_rows](blk.qkv, ln, blk.w_qkv, blk.b_qkv, M, d, 3 * d, True)
-    var layer_base = blocks + layer * page_size * d
-    for b in range(B):
-        _store_rows(
-            blk.q, blk.qkv, d, b, offsets, cache_lengths, layer_base, page_elems, page_size,
-            L * page_size * d, lut, lut_cols,
-        )
-    paged_attention[head_dim](
+    var tasks = attention_tasks(offsets, B, cache_lengths, H, head_dim, ntasks)
+    var plan = plan_attention[head_dim](
         blk.o, blk.q, offsets, B, H, blocks, page_elems, L, page_size, H, layer,
-        cache_lengths, lut, lut_cols, scale, ntasks, ctx,
+        cache_lengths, lut, lut_cols, scale, tasks,
     )
+    for b in range(B):
+        _store_rows(plan, blk.q, blk.qkv, d, b)
+    run_attention(plan, tasks, ctx)
+    plan.free()
     run_linear[wdt, max_rows](blk.h, blk.o, blk.w_o, blk.b_o, M, d, d, True)
 
     def residual_ln2(m0: Int, m1: Int) {imm blk, imm ln, imm d}:

@@ -129,18 +129,28 @@ def share_out[Work: def(Int) -> None](
     var counters = taken.unsafe_bitcast[Atomic[Int64]]()
 
     def task(t: Int) {imm work, imm items, imm tasks, imm counters}:
-        for k in range(tasks):
-            var band = (t + k) % tasks
-            var first = band * items // tasks
-            var size = (band + 1) * items // tasks - first
-            while True:
-                var i = Int(counters[band].fetch_add(1))
-                if i >= size:
-                    break
-                work(first + i)
+        take_share(work, items, t, tasks, counters, 1)
 
     sync_parallelize(task, tasks, ctx)
     taken.free()
+
+
+@always_inline
+def take_share[Work: def(Int) -> None](
+    work: Work, items: Int, t: Int, T: Int,
+    counters: UnsafePointer[Atomic[Int64], MutUntrackedOrigin], stride: Int,
+):
+    """Task `t`'s part of `share_out`'s items: its own band in order, then what is left
+    of the others' (`counters[band * stride]` counts a band's taken items)."""
+    for k in range(T):
+        var band = (t + k) % T
+        var first = band * items // T
+        var size = (band + 1) * items // T - first
+        while True:
+            var i = Int(counters[band * stride].fetch_add(1))
+            if i >= size:
+                break
+            work(first + i)
 
 
 def share_passes[Work: def(Int, Int, Int) -> None](
