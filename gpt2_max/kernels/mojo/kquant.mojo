@@ -49,6 +49,11 @@ comptime V = 16
 comptime FV = SIMD[DType.float32, V]
 comptime MT = 4
 """Input rows per register tile: each decoded group is used MT times."""
+comptime PREFETCH_BYTES = 2048
+"""How far ahead of the block being multiplied its row's bytes are requested: a weight
+is read once, and the hardware prefetcher alone keeps too few of its lines in flight to
+cover memory's latency (one core's Q5_0 rows streamed at 3.3 GB/s requested 264 bytes
+ahead, 7.0 at 2-3 KiB; `docs/performance.md`, "Packed rows ahead")."""
 
 comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
@@ -228,7 +233,7 @@ def _tile[fmt: Int, mt: Int](
     var row = w + n * (K // QK) * BS
     for blk in range(K // QK):
         var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 4 * BS)
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
         var x0 = x + m0 * K + blk * QK
         comptime for g in range(G):
             var ws = _decode[fmt, g](bp)
@@ -473,7 +478,7 @@ def _tile_q4k[mt: Int](
     var row = w + n * (K // 256) * BS
     for blk in range(K // 256):
         var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
         var sc = _scales[Q4_K](bp)
         _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
         comptime for h in range(2):
@@ -514,7 +519,7 @@ def _tile_bf16[fmt: Int, mt: Int](
     var row = w + n * (K // 256) * BS
     for blk in range(K // 256):
         var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
         var sc = _scales[fmt](bp)
         comptime if fmt != Q6_K:
             _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
@@ -725,7 +730,7 @@ def _tile_vnni[fmt: Int, terms: Int, mt: Int](
     var row = w + n * nb * BS
     for blk in range(nb):
         var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + 12 * BS)
+        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
         var d: Float32
         var sc: SIMD[DType.int16, 32]
         var coeff: SIMD[DType.float32, CW]
@@ -794,50 +799,80 @@ def _packed_vnni[fmt: Int, terms: Int](
 # x is rounded to int8 per block of 32 (`_X8S`: x ~ dx q8, dx = max |x| / 127), as ggml's
 # Q8_0 rounds the activations these types multiply, with `terms` 2 the remainder again
 # on the step dx / 254. A weight row's blocks are taken two at a time (64 weights, one
-# vector): Q5_0's q - 16 and Q8_0's q are signed, so their magnitudes multiply x with
-# the weights' signs moved onto x (|w| <= 128 and |x| <= 127 keep vpmaddubsw's pair sums
-# inside int16); Q5_1's q is unsigned and its min adds m * sum(rounded x) per block. The integer
+# vector) as unsigned bytes u, which vpdpbusd multiplies by x's signed ones four at a
+# time: Q5_1's q as it is, Q5_0's q and Q8_0's q + 128, whose offsets (16, 128 steps
+# of d) the x side pays once per block, its sum of q8 times -offset preloaded in the
+# accumulator (`_X8S.init`). Q5_1's min adds m * sum(rounded x) per block. The integer
 # sums of the two blocks land in lanes 0-7 and 8-15 of one accumulator, each scaled by
 # its block's d dx in one float FMA.
 
 
-struct _X8S[terms: Int]:
+comptime I32Ptr = UnsafePointer[Int32, MutUntrackedOrigin]
+
+
+@always_inline
+def _offset32[fmt: Int]() -> Int:
+    """What a 32-value block type's unsigned byte u holds beyond its value in steps of
+    d: Q5_0's value is (u - 16) d, Q8_0's (u - 128) d, Q5_1's u d + m."""
+    return 16 if fmt == Q5_0 else (128 if fmt == Q8_0 else 0)
+
+
+struct _X8S[fmt: Int, terms: Int]:
     """x[M, K] rounded to int8 per block of 32 (`q`, [M, K] plus a vector of slack for
-    the pairs' reads past a row's odd last block), the blocks' steps (`d`, [M, K / 32])
-    and the blocks' sums of the rounded x (`sums`, for Q5_1's min: the same x its
-    quants multiply, so the rounding error meets the weights d q + m whole); with
-    `terms` 2, `lo` rounds x - d q on the step d / 254."""
+    a row's odd last block, read as a pair), with `terms` 2 also `lo`, x - dx q rounded
+    on the step dx / 254. Per pair of blocks of a row (`pairs` a row): `d`, each
+    block's dx in its 8 lanes, and `init`, the accumulators' start: -offset times the
+    block's sum of q (and then of lo) in its first lane, what u's offset adds to the
+    integer sum. `sums`, [M, K / 32], holds the blocks' sums of the rounded x, for
+    Q5_1's min (the same x its quants multiply, so the rounding meets d q + m whole)."""
 
     var q: I8Ptr
     var lo: I8Ptr
     var d: F32Ptr
+    var init: I32Ptr
     var sums: F32Ptr
+    var pairs: Int
 
     def __init__(out self, x: F32Ptr, M: Int, K: Int):
-        var nb = M * K // 32
+        comptime off = Float32(_offset32[Self.fmt]())
+        var nb = K // 32
+        self.pairs = (nb + 1) // 2
+        var lanes = M * self.pairs * 16
         self.q = alloc[Int8](M * K + 64, alignment=64)
         self.lo = alloc[Int8](M * K + 64 if Self.terms == 2 else 1, alignment=64)
-        self.d = alloc[Float32](nb, alignment=64)
-        self.sums = alloc[Float32](nb, alignment=64)
-        for r in range(nb):
+        self.d = alloc[Float32](lanes, alignment=64)
+        self.init = alloc[Int32](lanes * Self.terms, alignment=64)
+        self.sums = alloc[Float32](M * nb, alignment=64)
+        for i in range(lanes):
+            self.d.unsafe_store(i, 0)
+        for i in range(lanes * Self.terms):
+            self.init.unsafe_store(i, 0)
+        for r in range(M * nb):
             var src = x + 32 * r
             var v0 = src.unsafe_load[width=16](0)
             var v1 = src.unsafe_load[width=16](16)
             var top = max(abs(v0), abs(v1)).reduce_max()
             var d = top / 127
             var inv = Float32(127) / top if top > 0 else Float32(0)
-            self.d.unsafe_store(r, d)
             var q0 = round(v0 * inv)
             var q1 = round(v1 * inv)
             (self.q + 32 * r).unsafe_store(0, q0.cast[DType.int8]())
             (self.q + 32 * r + 16).unsafe_store(0, q1.cast[DType.int8]())
-            var sum = (q0 + q1).reduce_add() * d
+            var qsum = (q0 + q1).reduce_add()
+            var sum = qsum * d
+            var pair = (r // nb) * self.pairs + (r % nb) // 2
+            var half = 8 * (r % nb % 2)
+            self.d.unsafe_store(pair * 16 + half, SIMD[DType.float32, 8](d))
+            var first = pair * 16 * Self.terms + half
+            self.init.unsafe_store(first, (-off * qsum).cast[DType.int32]())
             comptime if Self.terms == 2:
                 var l0 = round((v0 - q0 * d) * (inv * 254))
                 var l1 = round((v1 - q1 * d) * (inv * 254))
                 (self.lo + 32 * r).unsafe_store(0, l0.cast[DType.int8]())
                 (self.lo + 32 * r + 16).unsafe_store(0, l1.cast[DType.int8]())
-                sum += (l0 + l1).reduce_add() * (d / 254)
+                var lsum = (l0 + l1).reduce_add()
+                sum += lsum * (d / 254)
+                self.init.unsafe_store(first + 16, (-off * lsum).cast[DType.int32]())
             self.sums.unsafe_store(r, sum)
         comptime for i in range(4):
             (self.q + M * K + 16 * i).unsafe_store(0, SIMD[DType.int8, 16](0))
@@ -848,21 +883,24 @@ struct _X8S[terms: Int]:
         self.q.free()
         self.lo.free()
         self.d.free()
+        self.init.free()
         self.sums.free()
 
 
 @always_inline
-def _quants32[fmt: Int](blk: U8Ptr) -> SIMD[DType.int8, 32]:
-    """A 32-value block's quants in weight order: Q8_0's q, Q5_0's q - 16 (signed), or
-    Q5_1's q (unsigned, read as bytes)."""
+def _unsigned32[fmt: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
+    """A 32-value block's quants in weight order as unsigned bytes (`_offset32`)."""
     comptime if fmt == Q8_0:
-        return (blk + 2).unsafe_bitcast[Int8]().unsafe_load[width=32](0)
+        return blk.unsafe_load[width=32](2) ^ 0x80
     else:
-        var u = _q5[2 if fmt == Q5_0 else 4](blk)
-        comptime if fmt == Q5_0:
-            return u.cast[DType.int8]() - 16
-        else:
-            return bitcast[DType.int8, 32](u)
+        return _q5[2 if fmt == Q5_0 else 4](blk)
+
+
+@always_inline
+def _dot_u8(acc: IV, u: QV, x: XV) -> IV:
+    """acc[l] += u[4l] x[4l] + ... + u[4l+3] x[4l+3] (vpdpbusd: unsigned by signed bytes,
+    no saturation)."""
+    return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", IV](acc, u, x)
 
 
 @always_inline
@@ -873,57 +911,44 @@ def _lanes(a: Float32, b: Float32) -> FV:
 
 @always_inline
 def _tile_vnni32[fmt: Int, terms: Int, mt: Int](
-    xq: _X8S[terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    xq: _X8S[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
 ):
     """y[m0 : m0+mt, n] for a row `n` of 32-value blocks, through 8-bit integer dot
     products, two blocks at a time."""
     comptime BS = block_bytes[fmt]()
-    comptime SIGNED = fmt != Q5_1
-    var ones = SIMD[DType.int16, 32](1)
     var nb = K // 32
-    var acc = Array[FV, mt](fill=0)
+    var acc = Array[FV, mt * terms](fill=0)
     var mins = Array[Float32, mt](fill=0)
     var row = w + n * nb * BS
-    for blk in range(0, nb, 2):
-        var pa = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](pa + 12 * BS)
-        var two = blk + 1 < nb
-        var qa = _quants32[fmt](pa)
-        var qb = _quants32[fmt](pa + BS) if two else SIMD[DType.int8, 32](0)
-        var wq = qa.join(qb)
-        var da = _half(pa)
-        var db = _half(pa + BS) if two else Float32(0)
-        var mag: QV
-        var neg = SIMD[DType.bool, 64](fill=False)
-        comptime if SIGNED:
-            neg = wq.lt(0)
-            mag = bitcast[DType.uint8, 64](abs(wq))
-        else:
-            mag = bitcast[DType.uint8, 64](wq)
+    for p in range(xq.pairs):
+        var pa = row + 2 * p * BS
+        prefetch[PrefetchOptions().for_read().medium_locality()](pa + PREFETCH_BYTES)
+        var two = 2 * p + 1 < nb
+        var u = _unsigned32[fmt](pa).join(
+            _unsigned32[fmt](pa + BS) if two else SIMD[DType.uint8, 32](0)
+        )
+        var wd = _lanes(_half(pa), _half(pa + BS) if two else Float32(0))
         comptime for i in range(mt):
-            var r = (m0 + i) * nb + blk
-            var o = (m0 + i) * K + blk * 32
-            var x8 = (xq.q + o).unsafe_load[width=64](0)
-            comptime if SIGNED:
-                x8 = neg.select(-x8, x8)
-            var isum = _dot8(IV(0), mag, x8, ones)
-            var dxa = xq.d.unsafe_load(r)
-            var dxb = xq.d.unsafe_load(r + 1) if two else Float32(0)
-            var scale = _lanes(da * dxa, db * dxb)
-            acc[i] = fma(isum.cast[DType.float32](), scale, acc[i])
+            var xp = ((m0 + i) * xq.pairs + p) * 16
+            var o = (m0 + i) * K + 64 * p
+            var scale = wd * xq.d.unsafe_load[width=16](xp)
+            var isum = _dot_u8(xq.init.unsafe_load[width=16](xp * terms), u,
+                               (xq.q + o).unsafe_load[width=64](0))
+            acc[terms * i] = fma(isum.cast[DType.float32](), scale, acc[terms * i])
             comptime if terms == 2:
-                var l8 = (xq.lo + o).unsafe_load[width=64](0)
-                comptime if SIGNED:
-                    l8 = neg.select(-l8, l8)
-                var lsum = _dot8(IV(0), mag, l8, ones)
-                acc[i] = fma(lsum.cast[DType.float32](), scale * (1.0 / 254), acc[i])
+                var lsum = _dot_u8(xq.init.unsafe_load[width=16](xp * 2 + 16), u,
+                                   (xq.lo + o).unsafe_load[width=64](0))
+                acc[2 * i + 1] = fma(lsum.cast[DType.float32](), scale, acc[2 * i + 1])
             comptime if fmt == Q5_1:
-                var sa = xq.sums.unsafe_load(r)
-                var sb = xq.sums.unsafe_load(r + 1) if two else Float32(0)
-                mins[i] += _half(pa + 2) * sa + (_half(pa + BS + 2) * sb if two else Float32(0))
+                var r = (m0 + i) * nb + 2 * p
+                mins[i] += _half(pa + 2) * xq.sums.unsafe_load(r) + (
+                    _half(pa + BS + 2) * xq.sums.unsafe_load(r + 1) if two else Float32(0)
+                )
     comptime for i in range(mt):
-        var s = acc[i].reduce_add() + mins[i]
+        var s = acc[terms * i].reduce_add() + mins[i]
+        comptime if terms == 2:
+            s += acc[2 * i + 1].reduce_add() * (1.0 / 254)
         if has_bias:
             s += b.unsafe_load(n)
         y.unsafe_store((m0 + i) * N + n, s)
@@ -931,7 +956,7 @@ def _tile_vnni32[fmt: Int, terms: Int, mt: Int](
 
 @always_inline
 def _row_vnni32[fmt: Int, terms: Int](
-    xq: _X8S[terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    xq: _X8S[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
 ):
     var m0 = m_begin
@@ -947,7 +972,7 @@ def _packed_vnni32[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    var xq = _X8S[terms](x, M, K)
+    var xq = _X8S[fmt, terms](x, M, K)
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         _row_vnni32[fmt, terms](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
