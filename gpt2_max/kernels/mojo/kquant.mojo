@@ -51,9 +51,9 @@ comptime MT = 4
 """Input rows per register tile: each decoded group is used MT times."""
 comptime PREFETCH_BYTES = 2048
 """How far ahead of the block being multiplied its row's bytes are requested: a weight
-is read once, and the hardware prefetcher alone keeps too few of its lines in flight to
-cover memory's latency (one core's Q5_0 rows streamed at 3.3 GB/s requested 264 bytes
-ahead, 7.0 at 2-3 KiB; `docs/performance.md`, "Packed rows ahead")."""
+is read once, and a packed row is decoded slowly enough that the hardware prefetcher
+alone keeps too few of its lines in flight to hide memory's latency; a few blocks
+ahead was too close (`docs/performance.md`, "Packed rows ahead")."""
 
 comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
