@@ -823,8 +823,9 @@ struct _X8S[fmt: Int, terms: Int]:
     on the step dx / 254. Per pair of blocks of a row (`pairs` a row): `d`, each
     block's dx in its 8 lanes, and `init`, the accumulators' start: -offset times the
     block's sum of q (and then of lo) in its first lane, what u's offset adds to the
-    integer sum. `sums`, [M, K / 32], holds the blocks' sums of the rounded x, for
-    Q5_1's min (the same x its quants multiply, so the rounding meets d q + m whole)."""
+    integer sum. For Q5_1 `sums`, [M, K / 32], holds the blocks' sums of the rounded
+    x, for its min (the same x its quants multiply, so the rounding meets d q + m
+    whole); the other types need none."""
 
     var q: I8Ptr
     var lo: I8Ptr
@@ -842,7 +843,7 @@ struct _X8S[fmt: Int, terms: Int]:
         self.lo = alloc[Int8](M * K + 64 if Self.terms == 2 else 1, alignment=64)
         self.d = alloc[Float32](lanes, alignment=64)
         self.init = alloc[Int32](lanes * Self.terms, alignment=64)
-        self.sums = alloc[Float32](M * nb, alignment=64)
+        self.sums = alloc[Float32](M * nb if Self.fmt == Q5_1 else 1, alignment=64)
         for i in range(lanes):
             self.d.unsafe_store(i, 0)
         for i in range(lanes * Self.terms):
@@ -873,7 +874,8 @@ struct _X8S[fmt: Int, terms: Int]:
                 var lsum = (l0 + l1).reduce_add()
                 sum += lsum * (d / 254)
                 self.init.unsafe_store(first + 16, (-off * lsum).cast[DType.int32]())
-            self.sums.unsafe_store(r, sum)
+            comptime if Self.fmt == Q5_1:
+                self.sums.unsafe_store(r, sum)
         comptime for i in range(4):
             (self.q + M * K + 16 * i).unsafe_store(0, SIMD[DType.int8, 16](0))
             comptime if Self.terms == 2:
@@ -929,6 +931,11 @@ def _tile_vnni32[fmt: Int, terms: Int, mt: Int](
             _unsigned32[fmt](pa + BS) if two else SIMD[DType.uint8, 32](0)
         )
         var wd = _lanes(_half(pa), _half(pa + BS) if two else Float32(0))
+        var ma = Float32(0)
+        var mb = Float32(0)
+        comptime if fmt == Q5_1:
+            ma = _half(pa + 2)
+            mb = _half(pa + BS + 2) if two else Float32(0)
         comptime for i in range(mt):
             var xp = ((m0 + i) * xq.pairs + p) * 16
             var o = (m0 + i) * K + 64 * p
@@ -942,8 +949,8 @@ def _tile_vnni32[fmt: Int, terms: Int, mt: Int](
                 acc[2 * i + 1] = fma(lsum.cast[DType.float32](), scale, acc[2 * i + 1])
             comptime if fmt == Q5_1:
                 var r = (m0 + i) * nb + 2 * p
-                mins[i] += _half(pa + 2) * xq.sums.unsafe_load(r) + (
-                    _half(pa + BS + 2) * xq.sums.unsafe_load(r + 1) if two else Float32(0)
+                mins[i] += ma * xq.sums.unsafe_load(r) + (
+                    mb * xq.sums.unsafe_load(r + 1) if two else Float32(0)
                 )
     comptime for i in range(mt):
         var s = acc[terms * i].reduce_add() + mins[i]
