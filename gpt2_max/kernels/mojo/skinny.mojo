@@ -54,11 +54,13 @@ a work item is one chunk in one pass."""
 
 
 @always_inline
-def _tile[wdt: DType, mt: Int, r: Int](
+def _tile[wdt: DType, mt: Int, r: Int, ahead: Int](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool,
 ):
-    """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end."""
+    """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end.
+
+    Requests the next block's rows whose bits are set in `ahead` (`_ahead`)."""
     comptime u = max(1, LINE // (SW * size_of[wdt]()))
     """SIMD loads per weight row per iteration: one cache line of each row."""
     var acc = Array[SIMD[DType.float32, SW], mt * r](fill=0)
@@ -68,7 +70,8 @@ def _tile[wdt: DType, mt: Int, r: Int](
     while k < kl:
         comptime for j in range(r):
             # The next block's rows, one block ahead: turns r short streams into one long one.
-            prefetch[PrefetchOptions().for_read().medium_locality()](w + (n0 + r + j) * K + k)
+            comptime if ahead & (1 << j):
+                prefetch[PrefetchOptions().for_read().medium_locality()](w + (n0 + r + j) * K + k)
         comptime for v in range(u):
             var ws = Array[SIMD[DType.float32, SW], r](fill=0)
             comptime for j in range(r):
@@ -101,14 +104,50 @@ def _block[wdt: DType, r: Int](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, n0: Int, has_bias: Bool,
 ):
-    """All M rows against weight rows n0 : n0+r."""
+    """All M rows against weight rows n0 : n0+r, in tiles of up to `MT` rows.
+
+    The tiles share out the requests for the next block's rows (`_ahead`): past `MT`
+    rows a block is multiplied from cache once per tile, and if the first tile requested
+    the whole next block the memory would idle through the others."""
+    var tiles = ceildiv(M, MT)
     var m0 = 0
+    var t = 0
     while m0 + MT <= M:
-        _tile[wdt, MT, r](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile_ahead[wdt, MT, r](x, w, b, y, K, N, m0, n0, has_bias, t, tiles)
         m0 += MT
+        t += 1
     comptime for rest in range(1, MT):
         if M - m0 == rest:
-            _tile[wdt, rest, r](x, w, b, y, K, N, m0, n0, has_bias)
+            _tile_ahead[wdt, rest, r](x, w, b, y, K, N, m0, n0, has_bias, t, tiles)
+
+
+@always_inline
+def _tile_ahead[wdt: DType, mt: Int, r: Int](
+    x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool, t: Int, tiles: Int,
+):
+    """`_tile` requesting the next block's rows `j` with `j % tiles == t` (`R` = 4 rows: one
+    tile requests all four, two tiles two each, three tiles 2 + 1 + 1, four or more one
+    each and the rest none), so every tile streams its share of the next block."""
+    if tiles == 1:
+        _tile[wdt, mt, r, 0b1111](x, w, b, y, K, N, m0, n0, has_bias)
+    elif tiles == 2:
+        if t == 0:
+            _tile[wdt, mt, r, 0b0101](x, w, b, y, K, N, m0, n0, has_bias)
+        else:
+            _tile[wdt, mt, r, 0b1010](x, w, b, y, K, N, m0, n0, has_bias)
+    elif tiles == 3 and t == 0:
+        _tile[wdt, mt, r, 0b1001](x, w, b, y, K, N, m0, n0, has_bias)
+    elif t == 0:
+        _tile[wdt, mt, r, 0b0001](x, w, b, y, K, N, m0, n0, has_bias)
+    elif t == 1:
+        _tile[wdt, mt, r, 0b0010](x, w, b, y, K, N, m0, n0, has_bias)
+    elif t == 2:
+        _tile[wdt, mt, r, 0b0100](x, w, b, y, K, N, m0, n0, has_bias)
+    elif t == 3:
+        _tile[wdt, mt, r, 0b1000](x, w, b, y, K, N, m0, n0, has_bias)
+    else:
+        _tile[wdt, mt, r, 0](x, w, b, y, K, N, m0, n0, has_bias)
 
 
 def share_out[Work: def(Int) -> None](
