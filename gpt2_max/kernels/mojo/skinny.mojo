@@ -60,7 +60,7 @@ def _tile[wdt: DType, mt: Int, r: Int, ahead: Int](
 ):
     """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end.
 
-    Requests the next block's rows whose bits are set in `ahead` (`_ahead`)."""
+    Requests the next block's rows whose bits are set in `ahead` (`_tile_ahead`)."""
     comptime u = max(1, LINE // (SW * size_of[wdt]()))
     """SIMD loads per weight row per iteration: one cache line of each row."""
     var acc = Array[SIMD[DType.float32, SW], mt * r](fill=0)
@@ -106,7 +106,7 @@ def _block[wdt: DType, r: Int](
 ):
     """All M rows against weight rows n0 : n0+r, in tiles of up to `MT` rows.
 
-    The tiles share out the requests for the next block's rows (`_ahead`): past `MT`
+    The tiles share out the requests for the next block's rows (`_tile_ahead`): past `MT`
     rows a block is multiplied from cache once per tile, and if the first tile requested
     the whole next block the memory would idle through the others."""
     var tiles = ceildiv(M, MT)
@@ -126,9 +126,10 @@ def _tile_ahead[wdt: DType, mt: Int, r: Int](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool, t: Int, tiles: Int,
 ):
-    """`_tile` requesting the next block's rows `j` with `j % tiles == t` (`R` = 4 rows: one
-    tile requests all four, two tiles two each, three tiles 2 + 1 + 1, four or more one
-    each and the rest none), so every tile streams its share of the next block."""
+    """`_tile` requesting its share of the next block's rows, so every tile of a block
+    streams part of the next one: the masks are written for `R` = 4 rows (one tile
+    requests all four, two tiles two each, three tiles 2 + 1 + 1, four or more tiles one
+    each and the rest none)."""
     if tiles == 1:
         _tile[wdt, mt, r, 0b1111](x, w, b, y, K, N, m0, n0, has_bias)
     elif tiles == 2:
