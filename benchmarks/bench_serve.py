@@ -46,9 +46,10 @@ With `--llama-tools`, llama.cpp's own `llama-bench` (tg128, pp900) and
 `llama-batched-bench` (8 sequences of 16 + 128 tokens) run on the same files
 (F32 for the float rows; built once by `build_llama_cpp.sh`), and their rows
 stand beside the server's single-request, 8-concurrent and 900-token-prefill
-ones. `llama-bench` tg128 also runs in every repetition, right after the server's
-single request on the same weights: the "paired" row is the pair whose ratio is the
-median of those same-minute ratios, the one to read on a machine whose speed drifts.
+ones. `llama-bench` tg128 and `llama-server` answering the same single request
+also run in every repetition, right after the server's single request on the same
+weights: each "median pair" row is the pair whose ratio is the median of those
+same-minute ratios, the one to read on a machine whose speed drifts.
 
 Every stream, `max serve`'s and `llama-server`'s alike, is read by one lean client
 (`streams.py`: server-sent-event lines, one `json.loads` each): the client shares the
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -117,9 +119,11 @@ GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
 """The scenarios each GGUF type runs: one request, and eight at once."""
 GGUF_RSS_BATCH_SIZE = 8
 PAIRED_SCENARIO = "a_single_16"
-"""The scenario timed against `llama-bench` tg128 in every repetition (`--llama-tools`):
-a shared machine's speed drifts within minutes, so its ratio is read from same-minute
-pairs."""
+"""The scenario timed against llama.cpp's one-stream tools in every repetition
+(`--llama-tools`): a shared machine's speed drifts within minutes, so its ratios are
+read from same-minute pairs."""
+PAIRED_TOOLS = {"tg128": "llama-bench tg128", "server_one": "llama-server, 1 request"}
+"""The figures `paired_peers` gives, by key, and their labels."""
 WARM_UP_SEED = 999_999
 """No scenario's prompt seed."""
 LOGIT_CHECK_POSITIONS = [0, 15, 127, 255, 511]
@@ -247,20 +251,20 @@ def scenarios(quick: bool, repetition: int) -> dict[str, list[list[int]]]:
 def measure(
     server: Server, hf: GPT2LMHeadModel, peer: llama_cpp_peer.LlamaCpp | None,
     prompts_by_scenario: dict[str, list[list[int]]],
-    paired_tg: Callable[[], float] | None = None,
+    paired_tools: Callable[[list[list[int]]], dict[str, float]] | None = None,
 ) -> dict:
     """One repetition of each scenario: MAX, HF, then the peer if there is one; every
-    output is checked against `hf`. With `paired_tg` (llama-bench's tg128 on the same
-    file, tokens per second), the one-request scenario is also timed against it, run
-    right after, so that ratio compares the two engines in the same minute. The other
-    engines run with the server paused (`Server.paused`)."""
+    output is checked against `hf`. With `paired_tools` (`paired_peers`: llama.cpp's
+    one-stream figures on the same file, tokens per second), the one-request scenario
+    is also timed against them, run right after, so those ratios compare the engines
+    in the same minute. The other engines run with the server paused (`Server.paused`)."""
     row: dict[str, dict] = {}
     for name, prompts in prompts_by_scenario.items():
         new = 1 if name.startswith("d_") else NEW_TOKENS
         ours = asyncio.run(run_max(server.url, prompts, new))
         with server.paused():
-            paired = (paired_tg() if paired_tg is not None and name == PAIRED_SCENARIO
-                      else None)
+            paired = (paired_tools(prompts)
+                      if paired_tools is not None and name == PAIRED_SCENARIO else None)
             ref = run_hf(hf, prompts, new)
             theirs = peer.greedy(prompts, new) if peer else None
         if name.startswith("d_"):
@@ -274,9 +278,9 @@ def measure(
             "ttft_s": statistics.median(o["arrivals"][0] for o in ours),
             **verdicts(hf, prompts, [o["tokens"] for o in ours]),
         }
-        if paired is not None:
-            row[name]["paired_tg128_tok_s"] = paired
-            row[name]["max_over_paired_tg128"] = row[name]["max_tok_s"] / paired
+        for key, tok_s in (paired or {}).items():
+            row[name][f"paired_{key}_tok_s"] = tok_s
+            row[name][f"max_over_paired_{key}"] = row[name]["max_tok_s"] / tok_s
         if theirs:
             row[name]["peer_tok_s"] = units / theirs["wall"]
             row[name].update(
@@ -311,13 +315,14 @@ def concurrency_sweep(url: str, levels: list[int]) -> dict[int, float]:
 
 
 def median_table(runs: list[dict]) -> dict:
-    """Per scenario, the median of each figure over the runs, and every run's checks."""
+    """Per scenario, the median of each figure over the runs, and every run's checks
+    (a figure some run lacks, a llama.cpp tool that crashed there, is left out)."""
     out: dict[str, dict] = {}
     for name in runs[0]:
         out[name] = {
             key: (sum((r[name][key] for r in runs), []) if isinstance(value, list)
                   else statistics.median(r[name][key] for r in runs))
-            for key, value in runs[0][name].items()
+            for key, value in runs[0][name].items() if all(key in r[name] for r in runs)
         }
     return out
 
@@ -384,26 +389,47 @@ def llama_tools(path: Path, flash_attn: bool, repetition: int = 0) -> dict[str, 
     prompts = scenarios(quick=True, repetition=repetition)
 
     def served() -> dict[str, float]:
-        out = {}
-        with llama_cpp_tools.server(path, THREADS, parallel=8, ctx_per_slot=256) as url:
-            llama_cpp_tools.server_run(url, prompts["a_single_16"], 8)  # warm-up
-            for name in ("a_single_16", "c_concurrent_8x16"):
-                results = llama_cpp_tools.server_run(url, prompts[name], NEW_TOKENS)
-                out[f"server_{name}"] = (
-                    NEW_TOKENS * len(results) / max(r["wall"] for r in results))
-        return out
+        with llama_server(path) as url:
+            return {f"server_{name}": llama_server_tok_s(url, prompts[name])
+                    for name in ("a_single_16", "c_concurrent_8x16")}
 
     return {**rows, **batched, **attempt(f"llama-server on {path.name}", served)}
 
 
-def paired_tg128(path: Path | None, args: argparse.Namespace) -> Callable[[], float] | None:
-    """`llama-bench` tg128 on `path`, tokens per second, as `measure` pairs it with the
-    one-request scenario; None without `--llama-tools`."""
+def llama_server(path: Path) -> contextlib.AbstractContextManager[str]:
+    """`llama-server` on `path` as every row runs it: 8 slots of 256 tokens."""
+    return llama_cpp_tools.server(path, THREADS, parallel=8, ctx_per_slot=256)
+
+
+def llama_server_tok_s(url: str, prompts: list[list[int]]) -> float:
+    """Tokens per second of `prompts` sent at once, `NEW_TOKENS` each, after a warm-up."""
+    llama_cpp_tools.server_run(url, prompts[:1], 8)
+    results = llama_cpp_tools.server_run(url, prompts, NEW_TOKENS)
+    return NEW_TOKENS * len(results) / max(r["wall"] for r in results)
+
+
+def paired_peers(
+    path: Path | None, args: argparse.Namespace
+) -> Callable[[list[list[int]]], dict[str, float]] | None:
+    """llama.cpp's one-stream figures on `path`, tokens per second, as `measure` pairs
+    them with the one-request scenario (`PAIRED_TOOLS`): `llama-bench` tg128, and a
+    fresh `llama-server` answering the same prompt (left out where it crashes, as in
+    `llama_tools`); None without `--llama-tools`."""
     if path is None or not args.llama_tools:
         return None
-    return lambda: llama_cpp_tools.llama_bench(
-        path, THREADS, prompt=0, generate=NEW_TOKENS, flash_attn=args.llama_flash_attn
-    )[f"tg{NEW_TOKENS}"]
+
+    def run(prompts: list[list[int]]) -> dict[str, float]:
+        tg = llama_cpp_tools.llama_bench(
+            path, THREADS, prompt=0, generate=NEW_TOKENS, flash_attn=args.llama_flash_attn
+        )[f"tg{NEW_TOKENS}"]
+
+        def served() -> dict[str, float]:
+            with llama_server(path) as url:
+                return {"server_one": llama_server_tok_s(url, prompts)}
+
+        return {"tg128": tg, **attempt(f"paired llama-server on {path.name}", served)}
+
+    return run
 
 
 def print_tool_rows(result: dict) -> None:
@@ -423,16 +449,17 @@ def print_tool_rows(result: dict) -> None:
         for scenario, figure, tool in TOOL_ROWS:
             if scenario in median and figure in tools:
                 row(label, scenario, median[scenario]["max_tok_s"], tool, tools[figure])
-        if "max_over_paired_tg128" in runs[0].get(PAIRED_SCENARIO, {}):
-            pair = median_pair(runs)
-            row(label, PAIRED_SCENARIO, pair["max_tok_s"], "llama-bench tg128, median pair",
-                pair["paired_tg128_tok_s"])
+        for key, tool in PAIRED_TOOLS.items():
+            if all(f"max_over_paired_{key}" in r.get(PAIRED_SCENARIO, {}) for r in runs):
+                pair = median_pair(runs, key)
+                row(label, PAIRED_SCENARIO, pair["max_tok_s"], f"{tool}, median pair",
+                    pair[f"paired_{key}_tok_s"])
 
 
-def median_pair(runs: list[dict]) -> dict:
-    """`PAIRED_SCENARIO` of the run whose paired ratio is the median (of an even
-    count, the lower middle one), so its two figures divide to the ratio shown."""
-    pairs = sorted((r[PAIRED_SCENARIO] for r in runs), key=lambda m: m["max_over_paired_tg128"])
+def median_pair(runs: list[dict], key: str) -> dict:
+    """`PAIRED_SCENARIO` of the run whose ratio to `key`'s tool is the median (of an
+    even count, the lower middle one), so its two figures divide to the ratio shown."""
+    pairs = sorted((r[PAIRED_SCENARIO] for r in runs), key=lambda m: m[f"max_over_paired_{key}"])
     return pairs[(len(pairs) - 1) // 2]
 
 
@@ -539,7 +566,7 @@ def measure_gguf(
             measure(server, reference, peer, {
                 name: prompts for name, prompts in scenarios(args.quick, repetition).items()
                 if name in GGUF_SCENARIOS
-            }, paired_tg128(path, args))
+            }, paired_peers(path, args))
             for repetition in range(args.repeat)
         ]
     rss = rss_by_batch_size(path, [GGUF_RSS_BATCH_SIZE], args.devices, scratch)
@@ -614,7 +641,7 @@ def main() -> None:
         rss = PeakRss(server.pid)
         runs = [
             {**measure(server, hf, peer, scenarios(args.quick, repetition),
-                       paired_tg128(f32_gguf, args)),
+                       paired_peers(f32_gguf, args)),
              **context_ratio(server, hf, repetition)}
             for repetition in range(args.repeat)
         ]
