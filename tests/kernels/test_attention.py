@@ -141,8 +141,11 @@ def test_grouped_heads():
     run(list(SEQUENCES.values()), 6, 2, 16, 1)
 
 
-@pytest.mark.parametrize("sequences", [[(0, 300)], [(200, 1)] * 9, [(0, 130), (40, 3), (500, 60)]])
+@pytest.mark.parametrize("sequences", [
+    [(0, 300)], [(200, 1)] * 9, [(0, 130), (40, 3), (500, 60)], [(500, 1)], [(300, 5)],
+])
 def test_threaded(sequences):
     """Steps with enough work to spread over threads: a long prompt, a batch of decode
-    rows over long caches, a mixed batch."""
+    rows over long caches, a mixed batch, and one sequence of one or a few rows, whose
+    keys the threads share and whose results the last one merges."""
     run(sequences, 12, 12, 64, len(sequences))

@@ -29,6 +29,8 @@ HIDDEN, HEADS, FF, EPS = 128, 2, 512, 1e-5
 HEAD_DIM = HIDDEN // HEADS
 BATCHES = {
     "decode (one region)": [(80, 1), (0, 1), (30, 0), (5, 7)],
+    "one decode row (its keys shared by the tasks)": [(80, 1)],
+    "one first token (a share with no key)": [(0, 1)],
     "prefill (stage by stage)": [(0, 37), (45, 20), (80, 1)],
 }
 """(cached tokens, rows this step) per sequence."""

@@ -16,10 +16,13 @@ running rescale is needed. Steps with little work (a decode step over a short ca
 run on the calling thread, since waking workers would cost more than they share;
 larger ones spread their units over the threads:
 
-- a sequence with few query rows (decode) is one unit per range of heads (all heads,
-  unless there are fewer such sequences than threads): each score is a dot product
-  with the key where the cache stores it, reading whole cache rows (every head of a
-  slot) so the layer's keys, then its values, stream through once per query row;
+- a sequence with few query rows (decode) is one unit per share of its keys (all of
+  them, unless there are fewer such sequences than threads): each score is a dot
+  product with the key where the cache stores it, reading whole cache rows (every
+  head of a slot), so each task streams one run of the layer's keys, then of its
+  values, once per query row. Shares leave their softmax maxima, sums and value sums,
+  which the last task to finish merges (as flash-decoding does). Cut by heads instead,
+  every task would read part of every row, which streams slower over a long cache;
 - a sequence with many (prefill) is one unit per head, which first copies the head's
   keys into a dimension-major scratch (`kt[d, j]`), so a tile of queries times sixteen
   keys is sixteen lanes of broadcast multiply-adds per dimension, with no horizontal
@@ -27,6 +30,7 @@ larger ones spread their units over the threads:
   values are read in place into a register tile of output rows.
 """
 
+from std.atomic import Atomic
 from std.math import exp, fma
 
 from max.algorithm import sync_parallelize
@@ -40,6 +44,10 @@ comptime QT = 8
 """Queries per score tile on the prefill path: each loaded key vector serves QT rows."""
 comptime FEW = 8
 """A (sequence, head) with fewer queries than this scores them by dot products."""
+comptime PART[D: Int] = D + 16
+"""Floats a (query row, head) leaves for `_merge`: its `D` value sums, then its maximum
+and sum of exponentials (16 floats of room, which keeps the sums of a 64-value head
+on 64-byte boundaries)."""
 comptime SERIAL_WORK = 1 << 17
 """Below this many multiply-adds (query-key pairs times head_dim, whole batch) a step
 runs on the calling thread."""
@@ -89,6 +97,16 @@ def _softmax_row(s: F32Ptr, n: Int, n_end: Int) -> Float32:
     """Exponentiates scores `s[0 : n]` relative to their maximum in place, zeroes
     `s[n : n_end]` (keys after the query, read by the value tile), and returns one
     over the sum of the exponentials."""
+    var total = _exp_row(s, n)[1]
+    for j in range(n, n_end):
+        s.unsafe_store(j, 0)
+    return 1 / total
+
+
+@always_inline
+def _exp_row(s: F32Ptr, n: Int) -> Tuple[Float32, Float32]:
+    """Exponentiates scores `s[0 : n]` (n >= 1) relative to their maximum in place;
+    returns the maximum and the sum of the exponentials."""
     var nv = (n // KW) * KW
     var m = s.unsafe_load(0)
     if nv:
@@ -108,9 +126,7 @@ def _softmax_row(s: F32Ptr, n: Int, n_end: Int) -> Float32:
         var e = exp(s.unsafe_load(j) - m)
         s.unsafe_store(j, e)
         total += e
-    for j in range(n, n_end):
-        s.unsafe_store(j, 0)
-    return 1 / total
+    return (m, total)
 
 
 @always_inline
@@ -215,60 +231,99 @@ def _many_queries[D: Int](
 
 def _few_queries[D: Int](
     o: F32Ptr, q: F32Ptr, ld: Int, nq: Int, cache: Int, pages: Pages, scale: Float32,
-    h0: Int, h1: Int, group: Int, s: F32Ptr, lds: Int, inv: F32Ptr, acc: F32Ptr,
+    H: Int, group: Int, share: Int, shares: Int, part: F32Ptr,
+    s: F32Ptr, lds: Int, acc: F32Ptr,
 ):
-    """A sequence's `nq` query rows for heads `h0 : h1` (`q` and `o` at head 0 of the
-    first row, rows `ld` apart), each score a dot product with the key where the cache
-    holds it. Keys and values are read one cache row (every head of a slot) at a time,
-    so the cache streams through once per query row rather than once per head; the
-    value sums build up in `acc` ([heads, D], in L1)."""
+    """A sequence's `nq` query rows (`q` and `o` at head 0 of the first row, rows `ld`
+    apart), every head, over share `share` of `shares` of each row's keys, each score a
+    dot product with the key where the cache holds it. Keys and values are read a whole
+    cache row (every head of a slot) at a time, so a task streams its share of the cache
+    in one run, once per query row; the value sums build up in `acc` ([H, D], in L1).
+
+    With one share a row's outputs go to `o`; with several, each share leaves its
+    maxima, sums of exponentials and unscaled value sums in `part` (`PART` floats a row
+    and head) for `_merge`."""
     comptime W = _lanes[D]()
     comptime NV = D // W
-    var heads = h1 - h0
     for i in range(nq):
         var n = cache + i + 1
+        var lo = share * n // shares
+        var hi = (share + 1) * n // shares
         var qi = q + i * ld
-        var j0 = 0
-        var page = 0
-        while j0 < n:
-            var cnt = min(pages.page_size, n - j0)
-            var k = pages.key(page, 0)
+        var j = lo
+        while j < hi:
+            var slot0 = j % pages.page_size
+            var cnt = min(pages.page_size - slot0, hi - j)
+            var k = pages.key(j // pages.page_size, slot0)
             for slot in range(cnt):
                 var kr = k + slot * pages.row
-                for g in range(heads):
-                    var h = h0 + g
+                for h in range(H):
                     var qp = qi + h * D
                     var kp = kr + (h // group) * D
                     var a = qp.unsafe_load[width=W](0) * kp.unsafe_load[width=W](0)
                     comptime for c in range(1, NV):
                         a = fma(qp.unsafe_load[width=W](c * W), kp.unsafe_load[width=W](c * W), a)
-                    s.unsafe_store(g * lds + j0 + slot, a.reduce_add() * scale)
-            j0 += cnt
-            page += 1
-        for g in range(heads):
-            inv.unsafe_store(g, _softmax_row(s + g * lds, n, n))
-        for e in range(0, heads * D, W):
+                    s.unsafe_store(h * lds + j - lo + slot, a.reduce_add() * scale)
+            j += cnt
+        for h in range(H):
+            var ml = _exp_row(s + h * lds, hi - lo) if hi > lo else (Float32(0), Float32(0))
+            var rp = part + (i * H + h) * PART[D]
+            rp.unsafe_store(D, ml[0])
+            rp.unsafe_store(D + 1, ml[1])
+        for e in range(0, H * D, W):
             acc.unsafe_store(e, SIMD[DType.float32, W](0))
-        j0 = 0
-        page = 0
-        while j0 < n:
-            var cnt = min(pages.page_size, n - j0)
-            var v = pages.value(page, 0)
+        j = lo
+        while j < hi:
+            var slot0 = j % pages.page_size
+            var cnt = min(pages.page_size - slot0, hi - j)
+            var v = pages.value(j // pages.page_size, slot0)
             for slot in range(cnt):
                 var vr = v + slot * pages.row
-                for g in range(heads):
-                    var vp = vr + ((h0 + g) // group) * D
-                    var p = SIMD[DType.float32, W](s.unsafe_load(g * lds + j0 + slot))
-                    var ap = acc + g * D
+                for h in range(H):
+                    var vp = vr + (h // group) * D
+                    var p = SIMD[DType.float32, W](s.unsafe_load(h * lds + j - lo + slot))
+                    var ap = acc + h * D
                     comptime for c in range(NV):
                         ap.unsafe_store(c * W, fma(p, vp.unsafe_load[width=W](c * W), ap.unsafe_load[width=W](c * W)))
-            j0 += cnt
-            page += 1
-        for g in range(heads):
-            var scale_g = inv.unsafe_load(g)
+            j += cnt
+        for h in range(H):
+            var rp = part + (i * H + h) * PART[D]
+            if shares == 1:
+                var inv = 1 / rp.unsafe_load(D + 1)
+                comptime for c in range(NV):
+                    o.unsafe_store(i * ld + h * D + c * W, acc.unsafe_load[width=W](h * D + c * W) * inv)
+            else:
+                comptime for c in range(NV):
+                    rp.unsafe_store(c * W, acc.unsafe_load[width=W](h * D + c * W))
+
+
+def _merge[D: Int](o: F32Ptr, ld: Int, nq: Int, H: Int, parts: F32Ptr, shares: Int):
+    """A sequence's outputs from its `shares` partial results (`_few_queries`, one
+    block of `FEW * H * PART` floats a share): each share's sums rescaled to the
+    largest maximum, the value sums added and divided by the sums of exponentials."""
+    comptime W = _lanes[D]()
+    comptime NV = D // W
+    for i in range(nq):
+        for h in range(H):
+            var at = (i * H + h) * PART[D]
+            var top = Float32(0)
+            var seen = False
+            for k in range(shares):
+                var rp = parts + k * FEW * H * PART[D] + at
+                if rp.unsafe_load(D + 1) > 0:
+                    top = max(top, rp.unsafe_load(D)) if seen else rp.unsafe_load(D)
+                    seen = True
+            var total = Float32(0)
+            var out = Array[SIMD[DType.float32, W], NV](fill=0)
+            for k in range(shares):
+                var rp = parts + k * FEW * H * PART[D] + at
+                if rp.unsafe_load(D + 1) > 0:
+                    var f = exp(rp.unsafe_load(D) - top)
+                    total += f * rp.unsafe_load(D + 1)
+                    comptime for c in range(NV):
+                        out[c] = fma(SIMD[DType.float32, W](f), rp.unsafe_load[width=W](c * W), out[c])
             comptime for c in range(NV):
-                var e = g * D + c * W
-                o.unsafe_store(i * ld + h0 * D + e, acc.unsafe_load[width=W](e) * scale_g)
+                o.unsafe_store(i * ld + h * D + c * W, out[c] / total)
 
 
 @fieldwise_init
@@ -296,6 +351,10 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
     var units: Int
     var first_unit: UnsafePointer[Int, MutUntrackedOrigin]
     """first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1]."""
+    var parts: F32Ptr
+    """Unit u's partial results at `u * FEW * H * PART` when a sequence's keys are shared."""
+    var done: UnsafePointer[Atomic[Int64], MutUntrackedOrigin]
+    """Tasks through `run`: the last one merges the shared sequences."""
 
     def pages(self, b: Int, kv_head: Int) -> Pages:
         """Where sequence `b`'s keys and values of `kv_head` lie in this layer."""
@@ -312,6 +371,7 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
         var kt = alloc[Float32](D * ldk + KW, alignment=64)
         var inv = alloc[Float32](max(QT, H), alignment=64)
         var acc = alloc[Float32](H * D, alignment=64)
+        var mine = alloc[Float32](FEW * H * PART[D], alignment=64)
         for u in range(t, self.units, ntasks):
             # The sequence owning unit u: the last b with first_unit[b] <= u.
             var lo = 0
@@ -331,11 +391,10 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
             var cache = Int(self.cache_lengths.unsafe_load(b))
             var at = first * H * D
             if nq < FEW:
-                var pages = self.pages(b, 0)
+                var part = mine if self.splits == 1 else self.parts + u * FEW * H * PART[D]
                 _few_queries[D](
-                    self.o + at, self.q + at, H * D, nq, cache, pages, self.scale,
-                    k * H // self.splits, (k + 1) * H // self.splits, self.group,
-                    s, ldk, inv, acc,
+                    self.o + at, self.q + at, H * D, nq, cache, self.pages(b, 0), self.scale,
+                    H, self.group, k, self.splits, part, s, ldk, acc,
                 )
             else:
                 var pages = self.pages(b, k // self.group)
@@ -347,9 +406,27 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
         kt.free()
         inv.free()
         acc.free()
+        mine.free()
+        if self.splits > 1 and Int(self.done[0].fetch_add(1)) == ntasks - 1:
+            self.merge()
+
+    def merge(self):
+        """The outputs of the sequences whose keys the units shared (`_merge`)."""
+        comptime D = Self.head_dim
+        for b in range(self.B):
+            var first = Int(self.offsets.unsafe_load(b))
+            var nq = Int(self.offsets.unsafe_load(b + 1)) - first
+            if 0 < nq < FEW:
+                _merge[D](
+                    self.o + first * self.H * D, self.H * D, nq, self.H,
+                    self.parts + self.first_unit.unsafe_load(b) * FEW * self.H * PART[D],
+                    self.splits,
+                )
 
     def free(self):
         self.first_unit.free()
+        self.parts.free()
+        self.done.unsafe_bitcast[Int64]().free()
 
 
 def attention_work(offsets: U32Ptr, B: Int, cache_lengths: U32Ptr) -> Int:
@@ -368,9 +445,10 @@ def plan_attention[D: Int](
 ) -> AttentionPlan[D]:
     """The units of `paged_attention`'s work for `ntasks` tasks (free it with `free`).
 
-    A unit is one head of a sequence with many query rows, or a range of heads of one
-    with few: all of them when there are at least as many such sequences as tasks, else
-    a task's share, so a single decode row still spreads over the threads."""
+    A unit is one head of a sequence with many query rows, or a share of the keys of
+    one with few: all of them when there are at least as many such sequences as tasks,
+    else a task's share, so a single decode row still spreads over the threads, each
+    streaming whole cache rows, and the last task to finish merges the shares."""
     var row = Hkv * D
     var most_keys = 0
     var few = 0
@@ -387,10 +465,15 @@ def plan_attention[D: Int](
         var nq = Int(offsets.unsafe_load(b + 1)) - Int(offsets.unsafe_load(b))
         var count = 0 if nq == 0 else (splits if nq < FEW else H)
         first_unit.unsafe_store(b + 1, first_unit.unsafe_load(b) + count)
+    var units = first_unit.unsafe_load(B)
+    var parts = alloc[Float32](units * FEW * H * PART[D] if splits > 1 else 1, alignment=64)
+    var done = alloc[Int64](1)
+    done.unsafe_store(0, 0)
     return AttentionPlan[D](
         o, q, offsets, B, H, blocks + layer * page_size * row, page_elems, page_size, row,
         L * page_size * row, H // Hkv, cache_lengths, lut, lut_cols, scale,
-        ((most_keys + KW - 1) // KW) * KW, splits, first_unit.unsafe_load(B), first_unit,
+        ((most_keys + KW - 1) // KW) * KW, splits, units, first_unit, parts,
+        done.unsafe_bitcast[Atomic[Int64]](),
     )
 
 
