@@ -232,7 +232,7 @@ def _many_queries[D: Int](
 def _few_queries[D: Int](
     o: F32Ptr, q: F32Ptr, ld: Int, nq: Int, cache: Int, pages: Pages, scale: Float32,
     H: Int, group: Int, share: Int, shares: Int, part: F32Ptr,
-    s: F32Ptr, lds: Int, acc: F32Ptr,
+    s: F32Ptr, lds: Int, inv: F32Ptr, acc: F32Ptr,
 ):
     """A sequence's `nq` query rows (`q` and `o` at head 0 of the first row, rows `ld`
     apart), every head, over share `share` of `shares` of each row's keys, each score a
@@ -240,9 +240,9 @@ def _few_queries[D: Int](
     cache row (every head of a slot) at a time, so a task streams its share of the cache
     in one run, once per query row; the value sums build up in `acc` ([H, D], in L1).
 
-    With one share a row's outputs go to `o`; with several, each share leaves its
-    maxima, sums of exponentials and unscaled value sums in `part` (`PART` floats a row
-    and head) for `_merge`."""
+    With one share a row's outputs go to `o` (`inv` holding one over each head's sum);
+    with several, each share leaves its maxima, sums of exponentials and unscaled value
+    sums in `part` (`PART` floats a row and head) for `_merge`."""
     comptime W = _lanes[D]()
     comptime NV = D // W
     for i in range(nq):
@@ -266,10 +266,13 @@ def _few_queries[D: Int](
                     s.unsafe_store(h * lds + j - lo + slot, a.reduce_add() * scale)
             j += cnt
         for h in range(H):
-            var ml = _exp_row(s + h * lds, hi - lo) if hi > lo else (Float32(0), Float32(0))
-            var rp = part + (i * H + h) * PART[D]
-            rp.unsafe_store(D, ml[0])
-            rp.unsafe_store(D + 1, ml[1])
+            if shares == 1:
+                inv.unsafe_store(h, _softmax_row(s + h * lds, n, n))
+            else:
+                var ml = _exp_row(s + h * lds, hi - lo) if hi > lo else (Float32(0), Float32(0))
+                var rp = part + (i * H + h) * PART[D]
+                rp.unsafe_store(D, ml[0])
+                rp.unsafe_store(D + 1, ml[1])
         for e in range(0, H * D, W):
             acc.unsafe_store(e, SIMD[DType.float32, W](0))
         j = lo
@@ -287,12 +290,12 @@ def _few_queries[D: Int](
                         ap.unsafe_store(c * W, fma(p, vp.unsafe_load[width=W](c * W), ap.unsafe_load[width=W](c * W)))
             j += cnt
         for h in range(H):
-            var rp = part + (i * H + h) * PART[D]
             if shares == 1:
-                var inv = 1 / rp.unsafe_load(D + 1)
+                var scale_h = inv.unsafe_load(h)
                 comptime for c in range(NV):
-                    o.unsafe_store(i * ld + h * D + c * W, acc.unsafe_load[width=W](h * D + c * W) * inv)
+                    o.unsafe_store(i * ld + h * D + c * W, acc.unsafe_load[width=W](h * D + c * W) * scale_h)
             else:
+                var rp = part + (i * H + h) * PART[D]
                 comptime for c in range(NV):
                     rp.unsafe_store(c * W, acc.unsafe_load[width=W](h * D + c * W))
 
@@ -352,7 +355,8 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
     var first_unit: UnsafePointer[Int, MutUntrackedOrigin]
     """first_unit[b]: the units of sequence b are first_unit[b] : first_unit[b + 1]."""
     var parts: F32Ptr
-    """Unit u's partial results at `u * FEW * H * PART` when a sequence's keys are shared."""
+    """Unit u's partial results at `u * FEW * H * PART` when a sequence's keys are shared
+    (one float, never read, when none is)."""
     var done: UnsafePointer[Atomic[Int64], MutUntrackedOrigin]
     """Tasks through `run`: the last one merges the shared sequences."""
 
@@ -371,7 +375,6 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
         var kt = alloc[Float32](D * ldk + KW, alignment=64)
         var inv = alloc[Float32](max(QT, H), alignment=64)
         var acc = alloc[Float32](H * D, alignment=64)
-        var mine = alloc[Float32](FEW * H * PART[D], alignment=64)
         for u in range(t, self.units, ntasks):
             # The sequence owning unit u: the last b with first_unit[b] <= u.
             var lo = 0
@@ -391,10 +394,10 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
             var cache = Int(self.cache_lengths.unsafe_load(b))
             var at = first * H * D
             if nq < FEW:
-                var part = mine if self.splits == 1 else self.parts + u * FEW * H * PART[D]
                 _few_queries[D](
                     self.o + at, self.q + at, H * D, nq, cache, self.pages(b, 0), self.scale,
-                    H, self.group, k, self.splits, part, s, ldk, acc,
+                    H, self.group, k, self.splits, self.parts + u * FEW * H * PART[D],
+                    s, ldk, inv, acc,
                 )
             else:
                 var pages = self.pages(b, k // self.group)
@@ -406,7 +409,6 @@ struct AttentionPlan[head_dim: Int](ImplicitlyCopyable, Movable):
         kt.free()
         inv.free()
         acc.free()
-        mine.free()
         if self.splits > 1 and Int(self.done[0].fetch_add(1)) == ntasks - 1:
             self.merge()
 
