@@ -1,11 +1,13 @@
-"""Decode bursts through `max serve`: which `K` (`GPT2_MAX_DECODE_STEPS`), and what a burst
-costs a request that arrives during one.
+"""Decode bursts through `max serve`: which `K` (`GPT2_MAX_DECODE_STEPS`) and budget
+(`GPT2_MAX_BURST_MS`), and what a burst costs a request that arrives during one.
 
     python benchmarks/bench_bursts.py                     # gpt2-small shape, f32 and Q4_K_M
     python benchmarks/bench_bursts.py --steps 1,8 --types q4_k_m --llama-bench
+    python benchmarks/bench_bursts.py --steps 8:50,8:150 --types f32   # K:budget in ms
 
-For each file and each `K`, a fresh server (the README's recommended CPU settings
-plus `GPT2_MAX_DECODE_STEPS=K`) answers, after a warm-up:
+For each file and each setting, a fresh server (the README's recommended CPU settings
+plus `GPT2_MAX_DECODE_STEPS=K`, and `GPT2_MAX_BURST_MS` where given) answers, after a
+warm-up:
 
 - one streamed greedy request, 16-token prompt, 128 new tokens: ms per decode token
   (from the first token's arrival to the last's) and the request's time to first token;
@@ -31,7 +33,7 @@ from bench_serve import CHECKPOINTS, THREADS, gguf_file, serve
 from bench_start import cpu_model
 from bench_step import PROMPT
 
-from gpt2_max.bursts.model import ENV
+from gpt2_max.bursts.model import BUDGET_ENV, ENV
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 
 SECOND = list(range(3000, 3016))
@@ -74,8 +76,10 @@ async def mid_burst(url: str) -> float:
         return (await second)["arrivals"][0] * 1e3
 
 
-def measure(path: Path, steps: int) -> dict[str, float]:
-    env = {**RECOMMENDED, ENV: str(steps)}
+def measure(path: Path, setting: str) -> dict[str, float]:
+    """One fresh server's figures at `setting`: `K`, or `K:budget_ms`."""
+    steps, _, budget = setting.partition(":")
+    env = {**RECOMMENDED, ENV: steps, **({BUDGET_ENV: budget} if budget else {})}
     with tempfile.TemporaryDirectory() as scratch:
         with serve(path, "--max-batch-size", "16", devices="cpu",
                    log=Path(scratch) / "server.log", env=env) as server:
@@ -96,12 +100,12 @@ def main() -> None:
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
-    ks = [int(k) for k in args.steps.split(",")]
+    ks = args.steps.split(",")
     print(f"CPU: {cpu_model()}; preset {args.preset}; one stream of {len(PROMPT)} + "
           f"{NEW_TOKENS} tokens; server env {RECOMMENDED}; median of {args.repeat}")
     for file_type in args.types.split(","):
         path = gguf_file(checkpoint, file_type)
-        rows: dict[int, list[dict[str, float]]] = {k: [] for k in ks}
+        rows: dict[str, list[dict[str, float]]] = {k: [] for k in ks}
         tg = []
         for r in range(args.repeat):
             for k in ks if r % 2 == 0 else ks[::-1]:
@@ -109,7 +113,8 @@ def main() -> None:
             if args.llama_bench:
                 tg.append(llama_cpp_tools.llama_bench(path, THREADS, prompt=0)["tg128"])
         print(f"\n{file_type} ({path.name})")
-        print("| K | ms per token | tok/s | TTFT ms | TTFT of a request arriving mid-burst ms |"
+        print("| K[:budget ms] | ms per token | tok/s | TTFT ms "
+              "| TTFT of a request arriving mid-burst ms |"
               + (" vs llama-bench tg128 |" if tg else ""))
         print("| ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if tg else ""))
         for k in ks:

@@ -8,9 +8,10 @@ step. A burst pays for that loop once every `K` tokens:
 - `DecodeBursts` (mixed into the pipeline model): when every row of a batch is
   decoding one token, the model runs the graph, samples its logits with MAX's
   own sampler graph and sampling inputs, and runs the graph again on that
-  token, up to `K` steps and `BUDGET_S`, inside the KV pages MAX already gave
-  each row. It returns the first step's logits, as ever, and hands each row the
-  tokens it made.
+  token, up to `K` steps and a time budget, inside the KV pages MAX already
+  gave each row; a request arriving at MAX's scheduler ends the burst at the
+  next step (`shims.waiting_requests`). It returns the first step's logits, as
+  ever, and hands each row the tokens it made.
 - `BurstContext` (the architecture's context type): when MAX commits a row's
   first token, and only if that token is the one the burst sampled from the
   same logits, the context appends the rest, so MAX's own end-of-text,
@@ -18,15 +19,18 @@ step. A burst pays for that loop once every `K` tokens:
 
 Rows that need what only MAX's loop does per token (log-probabilities, a
 grammar, logits processors, penalties, echo) and chunked or mixed prefill
-batches run one step a pass. `GPT2_MAX_DECODE_STEPS` sets `K`; 1 turns bursts off.
+batches run one step a pass. `GPT2_MAX_DECODE_STEPS` sets `K` (1 turns bursts
+off), `GPT2_MAX_BURST_MS` the budget.
 """
 
-from ..shims import shared_sampler
+from ..shims import shared_sampler, waiting_requests
 from .context import BurstContext, FastForwardBurstContext
 from .model import DecodeBursts, decode_steps
 
 # The model worker imports the model's module (this package with it) to build the
-# pipeline, and never `gpt2_max.arch`: the sampler hand-over is installed here.
+# pipeline, and never `gpt2_max.arch`: the hand-overs of the sampler and of the
+# scheduler's request queue are installed here.
 shared_sampler.install()
+waiting_requests.install()
 
 __all__ = ["BurstContext", "DecodeBursts", "FastForwardBurstContext", "decode_steps"]

@@ -30,23 +30,37 @@ DEFAULT_STEPS = 8
 """Decode steps per pass on the CPU unless `GPT2_MAX_DECODE_STEPS` says otherwise
 (chosen by `benchmarks/bench_bursts.py`)."""
 
-BUDGET_S = 0.05
-"""A burst starts no further step once it has run this long. What a burst saves is
-MAX's loop, a fixed cost a pass, so it matters where steps are short; what it costs
-is the wait of a request that arrives mid-burst, which grows with the step. With
-the budget, a small model's step bursts to `K` and a large one's (where the loop is
-a small share) hardly at all, and no request waits much past it."""
+BUDGET_ENV = env_var("BURST_MS")
+
+DEFAULT_BUDGET_MS = 250
+"""A burst starts no step that would end (if it took as long as the one before)
+past this many milliseconds from the burst's start, unless `GPT2_MAX_BURST_MS`
+says otherwise. What a burst saves is MAX's loop, a fixed cost a pass, so it
+matters where steps are short. A request arriving mid-burst ends the burst at
+the next step (`DecodeBursts.watch_requests`), so the budget is not what such
+a request waits; it bounds how long a stream's client waits between chunks. With
+it, a small model's step bursts to `K` and a large one's (where the loop is a
+small share) a few steps or none."""
+
+
+def _setting(name: str, default: int, what: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r}: give a whole number of {what}, 1 or more.")
+    return int(raw)
+
+
+def burst_budget_s() -> float:
+    """How long a burst may run before it starts no further step, in seconds."""
+    return _setting(BUDGET_ENV, DEFAULT_BUDGET_MS, "milliseconds") / 1e3
 
 
 def decode_steps(on_host: bool) -> int:
     """The burst length `K` of this process: the setting, else `DEFAULT_STEPS` on the
     CPU and 1 (no bursts) on an accelerator, where bursts have not been measured."""
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return DEFAULT_STEPS if on_host else 1
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{ENV}={raw!r}: give a whole number of decode steps, 1 or more.")
-    return int(raw)
+    return _setting(ENV, DEFAULT_STEPS if on_host else 1, "decode steps")
 
 
 class BurstSampling:
@@ -117,6 +131,8 @@ class DecodeBursts:
     _burst_steps = 1
     _burst_sampler: Any = None
     _sampler_device: Device | None = None
+    _burst_budget_s = 0.0
+    _request_waiting: Callable[[], bool] | None = None
 
     def load_model(self) -> Callable[..., Any]:
         compiled = super().load_model()  # type: ignore[misc]
@@ -126,6 +142,7 @@ class DecodeBursts:
         if (self.return_logits is ReturnLogits.LAST_TOKEN  # type: ignore[attr-defined]
                 and not sampling.enable_penalties and not sampling.enable_variable_logits):
             self._burst_steps = decode_steps(self.devices[0].is_host)  # type: ignore[attr-defined]
+            self._burst_budget_s = burst_budget_s()
         return compiled
 
     def adopt_sampler(self, sampler: Any, device: Device) -> None:
@@ -138,18 +155,27 @@ class DecodeBursts:
                 f"(set {ENV}=1 for one)"
             )
 
+    def watch_requests(self, waiting: Callable[[], bool]) -> None:
+        """Whether a request waits at MAX's scheduler, handed over once the scheduler
+        is built (`shims.waiting_requests`): a burst ends as soon as one does, so
+        it is admitted at the next pass instead of after the whole burst."""
+        self._request_waiting = waiting
+        if self._burst_steps > 1:
+            logger.info(f"{PACKAGE}: a decode burst ends at the step a new request arrives")
+
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
         started = time.perf_counter()
         outputs = super().execute(model_inputs)  # type: ignore[misc]
         if (self._burst_steps > 1 and self._burst_sampler is not None
                 and isinstance(model_inputs, GPT2Inputs)):
-            self._burst(model_inputs, outputs, started + BUDGET_S)
+            self._burst(model_inputs, outputs, started)
         return outputs
 
-    def _burst(self, first: GPT2Inputs, outputs: ModelOutputs, deadline: float) -> None:
+    def _burst(self, first: GPT2Inputs, outputs: ModelOutputs, started: float) -> None:
         contexts = first.contexts
-        if not contexts or time.perf_counter() >= deadline:
-            return
+        deadline = started + self._burst_budget_s
+        if not contexts or 2 * time.perf_counter() - started > deadline:
+            return  # a second step, as long as the first, would end past the budget
         page_size = self.kv_params.page_size  # type: ignore[attr-defined]
         extra = min(self._burst_steps - 1, *(extra_steps(c, page_size) for c in contexts))
         if extra <= 0:
@@ -162,11 +188,16 @@ class DecodeBursts:
         ends = [set() if c.ignore_eos else c.eos_tracker.eos_token_ids for c in contexts]
         tokens = sampling.sample(outputs.next_token_logits, 0)
         made = [tokens]
+        mark = started
         for step in range(1, extra + 1):
             if all(int(t) in end for t, end in zip(tokens, ends, strict=True)):
                 break  # every row has ended; nothing more to make
-            if time.perf_counter() >= deadline:
-                break
+            now = time.perf_counter()
+            if 2 * now - mark > deadline:
+                break  # the next step, as long as the last, would end past the budget
+            mark = now
+            if self._request_waiting is not None and self._request_waiting():
+                break  # let MAX admit it now
             inputs = next_step_inputs(first, positions, tokens, step, self.kv_params)  # type: ignore[attr-defined]
             step_outputs = super().execute(inputs)  # type: ignore[misc]
             tokens = sampling.sample(step_outputs.next_token_logits, step)

@@ -10,8 +10,9 @@ and why, so nothing else in the package imports a private MAX name:
   reader under `GGUFWeights`, the quantized CPU kernels' op names, the row-seed
   stride of MAX's generate loop, a graph tensor's value, a token buffer's
   processing window, the server's grammar backend factory, the chat route's
-  conversion of an OpenAI `response_format`, and the sampler's inputs, seeds,
-  masks and call as the text pipeline makes them).
+  conversion of an OpenAI `response_format`, the sampler's inputs, seeds,
+  masks and call as the text pipeline makes them, and a poll of the model
+  worker's request queue).
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
@@ -26,6 +27,9 @@ and why, so nothing else in the package imports a private MAX name:
   `gpt2_max.bursts` on import, not by `install`: MAX's model worker builds the
   pipeline from a pickled factory, importing the model's module but never
   `gpt2_max.arch`.
+- `waiting_requests`: whether a request waits in MAX's scheduler's queue, told
+  to the pipeline model, whose decode bursts end when one does. Installed
+  with `shared_sampler`, for the same reason.
 
 (How MAX's CPU threads are scheduled is a speed policy, not a reach past MAX's
 API: `gpt2_max.cpu_runtime`.)

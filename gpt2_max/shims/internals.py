@@ -7,8 +7,10 @@ meaning used here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import zmq
 from max.driver import Device
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights
@@ -24,6 +26,7 @@ from max.pipelines.sampling.sampling_logits_processor import (
     _sample_logits,
 )
 from max.pipelines.sampling.seeds import request_row_seed
+from max.serve.worker_interface._zmq_queue import ZmqPullSocket
 
 ROW_SEED_STRIDE: int = _ROW_SEED_STRIDE
 """MAX's `generate` seeds row `i` of a batch with `seed + i * ROW_SEED_STRIDE`;
@@ -106,6 +109,21 @@ def openai_response_format(response_format: dict[str, Any]) -> Any:
     from max.serve.router.openai_routes import _create_response_format
 
     return _create_response_format(response_format, enable_response_format_schema=True)
+
+
+def pipeline_model(pipeline: Any) -> Any:
+    """A text pipeline's pipeline model (`None` for a pipeline that has none)."""
+    return getattr(pipeline, "_pipeline_model", None)
+
+
+def request_waiting(queue: Any) -> Callable[[], bool] | None:
+    """A probe of whether a request waits in the model worker's request `queue` (a
+    ZMQ pull socket): a zero-timeout poll of its socket, which takes nothing from
+    it. `None` for a queue of another kind."""
+    if not isinstance(queue, ZmqPullSocket):
+        return None
+    socket = queue._socket
+    return lambda: bool(socket.poll(0, zmq.POLLIN))
 
 
 def pipeline_sampler(pipeline: Any) -> tuple[Any, Any, Device]:

@@ -12,7 +12,7 @@ from max.pipelines.modeling.types import msgpack_numpy_decoder, msgpack_numpy_en
 
 from gpt2_max.bursts import BurstContext, FastForwardBurstContext, decode_steps
 from gpt2_max.bursts.context import extra_steps
-from gpt2_max.bursts.model import DEFAULT_STEPS, ENV
+from gpt2_max.bursts.model import BUDGET_ENV, DEFAULT_BUDGET_MS, DEFAULT_STEPS, ENV, burst_budget_s
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -95,6 +95,17 @@ def test_a_burst_is_used_once():
     context.update(11)
     context.update(20)
     assert list(context.tokens.generated) == [7, 11, 12, 20]
+
+
+def test_burst_budget_setting(monkeypatch):
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    assert burst_budget_s() == DEFAULT_BUDGET_MS / 1e3
+    monkeypatch.setenv(BUDGET_ENV, "400")
+    assert burst_budget_s() == 0.4
+    for bad in ("0", "1.5", "fast"):
+        monkeypatch.setenv(BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=BUDGET_ENV):
+            burst_budget_s()
 
 
 def test_decode_steps_setting(monkeypatch):

@@ -105,8 +105,11 @@ def served(request, checkpoints, quantized_model, gguf_files, tmp_path_factory) 
         with max_serve(path, "--max-batch-size", "4", "--enable-min-tokens",
                        log=logs / f"server{len(results)}.log", env=env) as server:
             results.append(answers(server.url, results[0] if results else None))
-    # The burst server's log: a burst whose first token MAX did not sample says so.
-    assert "where the burst sampled" not in (logs / "server1.log").read_text()
+    # The burst server's log: a burst whose first token MAX did not sample says so,
+    # and MAX's scheduler handed the model its request queue.
+    log = (logs / "server1.log").read_text()
+    assert "where the burst sampled" not in log
+    assert "a decode burst ends at the step a new request arrives" in log
     return tuple(results)
 
 

@@ -7,6 +7,8 @@ look is the matching function in `gpt2_max/shims/internals.py`.
 from __future__ import annotations
 
 import inspect
+import queue
+import time
 
 import numpy as np
 import pytest
@@ -156,3 +158,32 @@ def test_the_sampler_helpers_take_what_the_fused_sampling_processor_passes():
     source = inspect.getsource(fused.FusedSamplingProcessor)
     assert "SamplerInputs.create(context_batch, device)" in source
     assert "request_row_seed(context)" in inspect.getsource(fused.SamplerInputs.create)
+
+
+def test_request_waiting_looks_at_the_workers_queue_without_taking():
+    from max.serve.worker_interface._zmq_queue import ZmqConfig
+
+    config = ZmqConfig[list[int]](list[int])
+    pull, push = config.pull(), config.push()
+    waiting = internals.request_waiting(pull)
+    assert waiting is not None and not waiting()
+    push.put([1, 2, 3])
+    for _ in range(1000):  # the message crosses ZMQ's I/O thread
+        if waiting():
+            break
+        time.sleep(0.001)
+    assert waiting() and waiting()  # looking takes nothing ...
+    assert pull.get_nowait() == [1, 2, 3]  # ... the scheduler's pull does
+    assert not waiting()
+    assert internals.request_waiting(queue.Queue()) is None
+
+
+def test_the_scheduler_keeps_what_the_request_watch_reads():
+    from max.serve.scheduler.text_generation_scheduler import TokenGenerationScheduler
+
+    source = inspect.getsource(TokenGenerationScheduler)  # the class's own text, unpatched
+    for name in ("self.pipeline = pipeline", "self.request_queue = request_queue",
+                 "self.max_pending_requests = max_pending_requests", "self.batch_constructor =",
+                 "self._retrieve_pending_requests()\n", "self.batch_constructor.all_ce_reqs"):
+        assert name in source, name
+    assert internals.pipeline_model(object()) is None

@@ -1,0 +1,43 @@
+"""Whether a request waits at MAX's scheduler, told to the pipeline model, so a
+decode burst (`gpt2_max.bursts`) ends as soon as one arrives.
+
+MAX 26.7's text scheduler pulls new requests from its request queue only between
+passes of its loop, and the model cannot see that queue. A burst that keeps
+going while a request waits delays that request's first token by the rest of
+the burst. This patch of `TokenGenerationScheduler.__init__` hands a model that
+asks for it (one with a `watch_requests` method) a probe of the scheduler's own
+queue, which looks without taking: the request stays where MAX pulls it from.
+A request the scheduler would leave in the queue anyway (its pending pool at
+`--max-pending-requests`) does not count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.serve.scheduler.text_generation_scheduler import TokenGenerationScheduler
+
+from .internals import pipeline_model, request_waiting
+
+
+def install() -> None:
+    """Patches `TokenGenerationScheduler.__init__` once per process."""
+    original = TokenGenerationScheduler.__init__
+    if getattr(original, "watches_requests", False):
+        return
+
+    def __init__(self: TokenGenerationScheduler, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        watch = getattr(pipeline_model(self.pipeline), "watch_requests", None)
+        queued = request_waiting(self.request_queue)
+        if watch is None or queued is None:
+            return
+        cap = self.max_pending_requests
+        if cap is None:
+            watch(queued)
+        else:
+            pool = self.batch_constructor  # its pending requests, counted as MAX counts them
+            watch(lambda: queued() and len(pool.all_ce_reqs) < cap)
+
+    __init__.watches_requests = True  # type: ignore[attr-defined]
+    TokenGenerationScheduler.__init__ = __init__  # type: ignore[method-assign]
