@@ -53,7 +53,7 @@ def _setting(name: str, default: int, what: str) -> int:
 
 
 def burst_budget_s() -> float:
-    """How long a burst may run before it starts no further step, in seconds."""
+    """The burst budget of this process (`DEFAULT_BUDGET_MS` unless set), in seconds."""
     return _setting(BUDGET_ENV, DEFAULT_BUDGET_MS, "milliseconds") / 1e3
 
 
