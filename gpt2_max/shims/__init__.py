@@ -30,6 +30,8 @@ and why, so nothing else in the package imports a private MAX name:
 - `waiting_requests`: whether a request waits in MAX's scheduler's queue, told
   to the pipeline model, whose decode bursts end when one does. Installed
   with `shared_sampler`, for the same reason.
+  Both hook the `__init__` of the MAX class that holds what they hand over,
+  one way (`patching.after_init`).
 
 (How MAX's CPU threads are scheduled is a speed policy, not a reach past MAX's
 API: `gpt2_max.cpu_runtime`.)

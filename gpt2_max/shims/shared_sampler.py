@@ -9,24 +9,18 @@ second compile or load, and no chance of a sampler that differs from MAX's.
 
 from __future__ import annotations
 
-from typing import Any
-
 from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
 
 from .internals import pipeline_sampler
+from .patching import after_init
+
+
+def _hand_over(pipeline: TextGenerationPipeline) -> None:
+    model, sampler, device = pipeline_sampler(pipeline)
+    if (adopt := getattr(model, "adopt_sampler", None)) is not None:
+        adopt(sampler, device)
 
 
 def install() -> None:
     """Patches `TextGenerationPipeline.__init__` once per process."""
-    original = TextGenerationPipeline.__init__
-    if getattr(original, "shares_sampler", False):
-        return
-
-    def __init__(self: TextGenerationPipeline, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        model, sampler, device = pipeline_sampler(self)
-        if (adopt := getattr(model, "adopt_sampler", None)) is not None:
-            adopt(sampler, device)
-
-    __init__.shares_sampler = True  # type: ignore[attr-defined]
-    TextGenerationPipeline.__init__ = __init__  # type: ignore[method-assign]
+    after_init(TextGenerationPipeline, "shares_sampler", _hand_over)

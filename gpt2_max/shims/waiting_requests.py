@@ -13,31 +13,25 @@ A request the scheduler would leave in the queue anyway (its pending pool at
 
 from __future__ import annotations
 
-from typing import Any
-
 from max.serve.scheduler.text_generation_scheduler import TokenGenerationScheduler
 
 from .internals import pipeline_model, request_waiting
+from .patching import after_init
+
+
+def _hand_over(scheduler: TokenGenerationScheduler) -> None:
+    watch = getattr(pipeline_model(scheduler.pipeline), "watch_requests", None)
+    queued = request_waiting(scheduler.request_queue)
+    if watch is None or queued is None:
+        return
+    cap = scheduler.max_pending_requests
+    if cap is None:
+        watch(queued)
+    else:
+        pool = scheduler.batch_constructor  # its pending requests, counted as MAX counts them
+        watch(lambda: queued() and len(pool.all_ce_reqs) < cap)
 
 
 def install() -> None:
     """Patches `TokenGenerationScheduler.__init__` once per process."""
-    original = TokenGenerationScheduler.__init__
-    if getattr(original, "watches_requests", False):
-        return
-
-    def __init__(self: TokenGenerationScheduler, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        watch = getattr(pipeline_model(self.pipeline), "watch_requests", None)
-        queued = request_waiting(self.request_queue)
-        if watch is None or queued is None:
-            return
-        cap = self.max_pending_requests
-        if cap is None:
-            watch(queued)
-        else:
-            pool = self.batch_constructor  # its pending requests, counted as MAX counts them
-            watch(lambda: queued() and len(pool.all_ce_reqs) < cap)
-
-    __init__.watches_requests = True  # type: ignore[attr-defined]
-    TokenGenerationScheduler.__init__ = __init__  # type: ignore[method-assign]
+    after_init(TokenGenerationScheduler, "watches_requests", _hand_over)
