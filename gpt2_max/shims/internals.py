@@ -129,7 +129,7 @@ def request_waiting(queue: Any) -> Callable[[], bool] | None:
 def pipeline_sampler(pipeline: Any) -> tuple[Any, Any, Device]:
     """A text pipeline's model, its token sampler graph (the one without a grammar's
     bitmask) and the device that sampler runs on, which it keeps privately."""
-    return pipeline._pipeline_model, pipeline._sampler_without_bitmask, pipeline._sampler_device
+    return pipeline_model(pipeline), pipeline._sampler_without_bitmask, pipeline._sampler_device
 
 
 def sampler_inputs(contexts: Any, device: Device) -> Any:

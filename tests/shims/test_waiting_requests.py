@@ -16,6 +16,7 @@ from max.serve.scheduler.text_generation_scheduler import TokenGenerationSchedul
 from max.serve.worker_interface._zmq_queue import ZmqConfig
 
 from gpt2_max.shims import waiting_requests
+from gpt2_max.shims.internals import request_waiting
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -53,8 +54,8 @@ def queued(config: ZmqConfig):
     """A pull socket holding one request, and its push end."""
     pull, push = config.pull(), config.push()
     push.put([7])
-    deadline = time.monotonic() + 5
-    while not pull._socket.poll(0) and time.monotonic() < deadline:
+    waiting, deadline = request_waiting(pull), time.monotonic() + 5
+    while not waiting() and time.monotonic() < deadline:  # it crosses ZMQ's I/O thread
         time.sleep(0.001)
     return pull, push
 
