@@ -1,15 +1,18 @@
-"""`max serve` on the GPU at gpt2-small's shape with MAX's own cache sizing: the server
-`bench_gpu.py` starts, which answered its first request on an H200 and died at the
-second's first step (`CUDA_ERROR_ILLEGAL_ADDRESS`;
-`benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md`). The tier's tiny
-server did not show it, nor did `AutoModel` on the same graph, which turns prefix
-caching and chunked prefill off; the last test runs the same requests in-process with
-them on. The graph is the benchmark's (last-position logits), which `gpu_check.sh`
-compiles beside the tier.
+"""`max serve` on the GPU at gpt2-small's shape with MAX's own cache sizing (no
+`--max-batch-total-tokens`): the server `bench_gpu.py` starts, which answered its first
+request on an H200 at commit 9828764 and died at the second's first step
+(`CUDA_ERROR_ILLEGAL_ADDRESS`;
+`benchmarks/results/2026-11-26-gpu-h200-second-run-the-head-bug.md`), and which served
+every request on an H100 after the padded head
+(`benchmarks/results/2026-11-27-gpu-h100-served-crash-probe.md`). Besides that sequence,
+the 200 requests of `served_workload.py`, and the same sequence in-process with prefix
+caching and chunked prefill on (`AutoModel` turns both off). The graph is the
+benchmark's (last-position logits), which `gpu_check.sh` compiles beside the tier.
 """
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,10 +22,11 @@ from openai import OpenAI
 
 from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import random_prompt, random_state_dict
-from gpt2_max.testing.server import max_serve
+from gpt2_max.testing.server import Server, max_serve
 from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 
 from .parity import complete, token_ids
+from .served_workload import two_hundred_requests
 
 pytestmark = pytest.mark.tier("gpu")
 
@@ -39,11 +43,15 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def api(checkpoint, tmp_path_factory) -> OpenAI:
+def server(checkpoint, tmp_path_factory) -> Server:
     log = tmp_path_factory.mktemp("gpu-serve-gpt2-small") / "server.log"
-    with max_serve(
-        checkpoint, "--max-batch-size", "64", log=log, devices=None
-    ) as server, OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+    with max_serve(checkpoint, "--max-batch-size", "64", log=log, devices=None) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api(server) -> OpenAI:
+    with OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
         yield client
 
 
@@ -58,6 +66,13 @@ def test_a_batch_of_concurrent_requests_is_answered(api):
     with ThreadPoolExecutor(len(prompts)) as pool:
         counts = list(pool.map(lambda prompt: len(token_ids(complete(api, prompt, 64))), prompts))
     assert counts == [64] * len(prompts)
+
+
+def test_two_hundred_requests_of_every_kind_are_answered_in_full(server):
+    report = asyncio.run(two_hundred_requests(server.url))
+    assert report["requests"] == 200
+    assert report["failed"] == []
+    assert report["seeds_repeated"] == report["seeds"]
 
 
 def test_the_same_requests_in_process_with_the_servers_cache_settings(checkpoint):
