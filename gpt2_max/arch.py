@@ -16,8 +16,9 @@ from .model_config import GPT2ArchConfig
 from .shims import fast_forward
 from .tokenizer import GPT2TextTokenizer
 from .weights import gguf, safetensors
+from .weights.files import check_complete
 
-shims.install(GPT2TextTokenizer)
+shims.install(GPT2TextTokenizer, check_complete)
 
 gpt2_arch = SupportedArchitecture(
     name="GPT2LMHeadModel",

@@ -5,7 +5,9 @@ before it is queued: an id outside `[0, vocab_size)` would index past the
 embedding table inside the graph and take the model worker down, so it is
 answered with a 400 (`InputError`) instead. So is a request for echoed
 log-probabilities from a server started without `--enable-echo`: the graph then
-returns only last-position logits and the step would fail.
+returns only last-position logits and the step would fail. An empty prompt (`""`,
+`[]`), which MAX refuses with a `ValueError` its routes answer as a bare "Value
+error.", is answered 400 saying so.
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
@@ -46,10 +48,11 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
+from .weights.files import TOKENIZER_FILES, unreadable_tokenizer_file
+from .weights.schema import CheckpointError
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 """The real GPT-2 tokenizer, vendored so nothing needs the network."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
 def copy_tokenizer(folder: Path) -> None:
@@ -72,7 +75,13 @@ class GPT2TextTokenizer(TextTokenizer):
     def __init__(
         self, model_path: str, pipeline_config: PipelineConfig, **kwargs: Any
     ) -> None:
-        super().__init__(model_path, pipeline_config, **kwargs)
+        try:
+            super().__init__(model_path, pipeline_config, **kwargs)
+        except Exception as error:
+            folder = Path(model_path)
+            if folder.is_dir() and (problem := unreadable_tokenizer_file(folder)):
+                raise CheckpointError(f"{problem}; restore the model's own copy.") from error
+            raise
         self.valid_token_ids = usable_vocab_size(
             pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
         )
@@ -84,6 +93,8 @@ class GPT2TextTokenizer(TextTokenizer):
                 "echo with logprobs needs the logits of every prompt token; "
                 "start the server with --enable-echo to serve it."
             )
+        if request.prompt is not None and len(request.prompt) == 0:
+            raise InputError("prompt is empty: give at least one token or character.")
         context = await super().new_context(self._with_prepared_schema(request))
         prompt = np.asarray(context.tokens.prompt)
         (invalid,) = np.nonzero((prompt < 0) | (prompt >= self.valid_token_ids))

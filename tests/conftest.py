@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from max.driver import accelerator_count
 from max.pipelines import AutoModel
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -56,8 +57,18 @@ VARIANTS: dict[str, dict] = {
 LAYOUTS = ("hub", "transformers-sharded")
 
 
-TIERS = ("unit", "model", "serve", "gpu")
+TIERS = ("unit", "model", "serve", "fuzz", "gpu")
 """What a test needs, cheapest first: `python -m pytest -m unit` is the quick tier."""
+
+settings.register_profile(
+    "default", derandomize=True, max_examples=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("long", settings.get_profile("default"), max_examples=1000)
+settings.load_profile("default")
+"""The `fuzz` tier's cases are seeded (`derandomize`): the same on every run. The
+default profile is the short slice every suite run (and CI) takes; `python -m pytest
+-m fuzz --hypothesis-profile long` is the long run."""
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -75,6 +75,8 @@ def break_checkpoint(source: Path, target: Path, how: str) -> Path:
     config = json.loads((target / "config.json").read_text())
     if how == "truncated-file":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "header-length-2-60":
+        weights.write_bytes((2**60).to_bytes(8, "little") + weights.read_bytes()[8:])
     elif how in ("missing-tensor", "wrong-shape", "wrong-dtype"):
         state = load_file(str(weights))
         if how == "missing-tensor":
@@ -100,6 +102,7 @@ def break_checkpoint(source: Path, target: Path, how: str) -> Path:
     "how, message",
     [
         ("truncated-file", "IncompleteCheckpointError: model.safetensors is truncated"),
+        ("header-length-2-60", "model.safetensors is damaged or truncated: its first 8 bytes"),
         ("missing-config", "No config.json"),
         ("missing-tensor", "missing 1 tensor(s), first 'h.1.attn.c_proj.weight'"),
         ("wrong-shape", "'ln_f.bias' has shape (7,); the config implies (64,)"),

@@ -266,7 +266,11 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt=[15496, -1]), "token id -1 at position 1 is outside"),
         (dict(prompt="Hi", echo=True, logprobs=1), "start the server with --enable-echo"),
         (dict(prompt="Hi", max_tokens="many"), ""),
-        (dict(prompt=""), ""),
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=[[]]), "prompt is empty"),
+        (dict(prompt=[[15496], [995]], stream=True), "stream answers one prompt"),
+        (dict(prompt=["Hi", "there"], stream=True), "stream answers one prompt"),
         (dict(prompt="Hi", max_tokens=-3), ""),
         (dict(prompt="Hi", temperature=-1), ""),
         (dict(prompt="Hi", top_p=7), ""),
@@ -278,7 +282,8 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
     ],
     ids=[
         "too-long", "out-of-vocab", "negative-id", "echo-not-enabled", "wrong-type",
-        "empty-prompt", "negative-max-tokens", "negative-temperature", "top-p-7",
+        "empty-prompt", "empty-prompt-list", "empty-token-list", "streamed-prompts",
+        "streamed-strings", "negative-max-tokens", "negative-temperature", "top-p-7",
         "negative-top-k", "huge-penalty", "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )

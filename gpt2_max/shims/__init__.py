@@ -13,6 +13,10 @@ and why, so nothing else in the package imports a private MAX name:
   conversion of an OpenAI `response_format`, the sampler's inputs, seeds,
   masks and call as the text pipeline makes them, and a poll of the model
   worker's request queue).
+- `completion_prompts`: a completions body with no prompt, or with several
+  prompts and `stream`, answered 400 naming the cause (MAX 26.7 answers 500).
+- `weight_files`: a damaged local weight file named before MAX 26.7 reads its
+  header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
@@ -49,8 +53,10 @@ changes, and the model worker.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
+from pathlib import Path
 
-from . import stop_strings, structured_output
+from . import completion_prompts, stop_strings, structured_output, weight_files
 
 WRITTEN_FOR = ("26.7.",)
 """MAX releases (version prefixes) whose internals this package was checked against."""
@@ -60,11 +66,14 @@ def max_version() -> str:
     return importlib.metadata.version("max")
 
 
-def install(tokenizer_type: type) -> None:
-    """Installs the patches `tokenizer_type`'s requests need on this MAX release.
+def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], None]) -> None:
+    """Installs the patches `tokenizer_type`'s requests need on this MAX release;
+    `check_weight_files` raises naming a damaged weight file (`weight_files`).
 
     Idempotent, and safe for several architectures (or copies of this package)
     in one process: each adds its own tokenizer type.
     """
+    completion_prompts.install()
+    weight_files.install(tokenizer_type, check_weight_files)
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)

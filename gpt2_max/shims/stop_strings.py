@@ -13,8 +13,18 @@ before it and ends the response as END_OF_SEQUENCE (finish_reason "stop"),
 and the model worker is told to stop generating. A chunk of several tokens (a
 decode burst, forced tokens) keeps its tokens up to the one that completes the
 stop, as one token a chunk would have: the ids and the token count a client
-sees do not depend on how the worker grouped them. Without a match the held-back
-text goes out with the last chunk, whose finish reason stands.
+sees do not depend on how the worker grouped them.
+
+The rule for those ids: they end at the token whose text completes the stop,
+each token's text decoded as the tokenizer decodes it (an unfinished UTF-8
+character as U+FFFD). MAX's detokenizer holds back the text of a token that ends
+inside a character until a later token finishes it, so a stop completed by such
+a token would otherwise show in a later chunk than the token's own, a token or
+more late, by how the worker happened to group the tokens. A chunk whose tokens
+end inside a character (`ends_unfinished`) is therefore held and joined to the
+next one (`joined`), whose tokens the rule then splits like any chunk of
+several. Without a match the held-back text goes out with the last
+chunk, whose finish reason stands.
 
 It wraps only pipelines whose tokenizer is gpt2-max's, and only on the MAX
 releases in `NEEDED_FOR`; on any other release MAX's own handling is left as
@@ -25,7 +35,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from max.pipelines.context import GenerationStatus
@@ -42,6 +52,27 @@ def needed(max_version: str | None = None) -> bool:
     return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
 
 
+UNFINISHED = "\ufffd"
+"""What the tokenizer's decode shows for bytes that do not finish a character."""
+
+CHARACTER_TOKENS = 4
+"""Tokens a character can span at most (a UTF-8 character has 4 bytes at most)."""
+
+
+def ends_unfinished(
+    chunk: TokenGeneratorOutput, before: list[int],
+    decode: Callable[[list[int]], str] | None,
+) -> bool:
+    """Whether `chunk`'s last token may end inside a character, the tokens `before` it
+    given: it has no text yet, or (with `decode`) its tokens decode to an unfinished
+    character at the end."""
+    if not chunk.decoded_tokens:
+        return True
+    if decode is None or not chunk.token_ids:
+        return False
+    return decode(before[-CHARACTER_TOKENS:] + chunk.token_ids).endswith(UNFINISHED)
+
+
 def tokens_to_stop(
     before: list[int], ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]
 ) -> int:
@@ -53,12 +84,35 @@ def tokens_to_stop(
     return len(ids)
 
 
+PER_TOKEN = ("token_ids", "token_log_probabilities", "top_log_probabilities", "sampled_tokens")
+"""A chunk's fields that hold one entry per token."""
+
+TEXT = ("decoded_tokens", "decoded_reasoning_tokens")
+"""A chunk's fields of decoded text."""
+
+
 def up_to(chunk: TokenGeneratorOutput, n: int) -> TokenGeneratorOutput:
     """`chunk` holding only its first `n` tokens' ids, count and log-probabilities."""
-    lists = ("token_ids", "token_log_probabilities", "top_log_probabilities", "sampled_tokens")
     return replace(chunk, token_count=n, **{
-        name: value[:n] for name in lists if (value := getattr(chunk, name)) is not None
+        name: value[:n] for name in PER_TOKEN if (value := getattr(chunk, name)) is not None
     })
+
+
+def joined(first: TokenGeneratorOutput, then: TokenGeneratorOutput) -> TokenGeneratorOutput:
+    """One chunk of `first`'s tokens followed by `then`'s: per-token lists and texts
+    joined, counts added, and any other field `then`'s where it has one (its status)."""
+    merged: dict[str, Any] = {}
+    for field in fields(then):
+        a, b = getattr(first, field.name), getattr(then, field.name)
+        if field.name in PER_TOKEN:
+            merged[field.name] = None if a is None and b is None else [*(a or []), *(b or [])]
+        elif field.name in TEXT:
+            merged[field.name] = (a or "") + (b or "") or None
+        elif field.name == "token_count":
+            merged[field.name] = a + b
+        else:
+            merged[field.name] = a if b is None else b
+    return replace(then, **merged)
 
 
 async def cut_at_stops(
@@ -73,8 +127,14 @@ async def cut_at_stops(
     chunk of several; without it such a chunk keeps all its tokens.
     """
     seen: list[int] = []
+    held: TokenGeneratorOutput | None = None  # tokens whose text MAX still buffers
     try:
         async for chunk in chunks:
+            if held is not None:
+                chunk, held = joined(held, chunk), None
+            if not chunk.status.is_done and ends_unfinished(chunk, seen, decode):
+                held = chunk
+                continue
             text = scanner.feed(chunk.decoded_tokens or "")
             if scanner.stopped:
                 if not chunk.status.is_done:
@@ -90,6 +150,8 @@ async def cut_at_stops(
             if chunk.status.is_done:
                 text += scanner.flush()
             yield replace(chunk, decoded_tokens=text or None)
+        if held is not None:  # the source ended without a finished chunk
+            yield held
     finally:
         await chunks.aclose()
 

@@ -20,14 +20,75 @@ HEADER_LENGTH_BYTES = 8
 
 
 class IncompleteCheckpointError(ValueError):
-    """A weight file ends before the tensors its header lists."""
+    """A weight file ends before the tensors its header lists, or its header is damaged."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+"""GPT-2's tokenizer files, as a checkpoint folder holds them."""
+
+
+def unreadable_tokenizer_file(folder: Path) -> str | None:
+    """What is wrong with the first tokenizer file in `folder` that does not parse (JSON
+    files as JSON, `merges.txt` as UTF-8 text), or None if each one there does.
+    transformers says which JSON or UTF-8 it could not parse, not in which file."""
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+            if name.endswith(".json"):
+                json.loads(text)
+        except ValueError as error:
+            return f"tokenizer file {name} in {folder} cannot be read ({error})"
+    return None
+
+
+SAFETENSORS_DTYPES = frozenset({
+    "BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32",
+    "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2",
+})
+"""The dtype names the safetensors format defines."""
+
+
+def _check_entry(name: str, entry: object) -> None:
+    """Raises `ValueError` unless `entry` describes a tensor as safetensors does."""
+    if name == "__metadata__":
+        return
+    if not isinstance(entry, dict):
+        raise ValueError(f"tensor {name!r} is described by {entry!r}, not an object")
+    offsets, shape = entry.get("data_offsets"), entry.get("shape")
+    if entry.get("dtype") not in SAFETENSORS_DTYPES:
+        raise ValueError(f"tensor {name!r} has dtype {entry.get('dtype')!r}, not a safetensors one")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ValueError(f"tensor {name!r} has shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"tensor {name!r} has data_offsets {offsets!r}")
 
 
 def safetensors_length(path: Path) -> int:
-    """The byte length `path`'s header implies: length field, header, tensor data."""
+    """The byte length `path`'s header implies: length field, header, tensor data.
+
+    Raises:
+        IncompleteCheckpointError: the length field claims a header longer than the
+            file (a damaged field, or a file cut inside its header).
+    """
+    size = path.stat().st_size
     with open(path, "rb") as f:
         header_length = int.from_bytes(f.read(HEADER_LENGTH_BYTES), "little")
-        header = json.loads(f.read(header_length) or b"{}")
+        if HEADER_LENGTH_BYTES + header_length > size:
+            raise IncompleteCheckpointError(
+                f"{path.name} is damaged or truncated: its first 8 bytes claim a "
+                f"{header_length}-byte header, the file has {size} bytes."
+            )
+        header = json.loads(f.read(header_length))
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is {type(header).__name__}, not an object")
+    if not set(header) - {"__metadata__"}:
+        raise ValueError("the header lists no tensors")
+    for name, entry in header.items():
+        _check_entry(name, entry)
     data = max(
         (entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
         default=0,
@@ -47,6 +108,8 @@ def check_complete(paths: Iterable[Path]) -> None:
         size = path.stat().st_size
         try:
             expected = safetensors_length(path)
+        except IncompleteCheckpointError:
+            raise
         except (ValueError, KeyError, TypeError, IndexError) as error:
             raise IncompleteCheckpointError(
                 f"{path.name} has no readable safetensors header ({error})."

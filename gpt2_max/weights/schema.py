@@ -22,7 +22,7 @@ streams, and the ones GGUF files quantize."""
 CAUSAL_MASK_BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 """Constant mask buffers older checkpoints carry; attention masks in-kernel."""
 
-_BLOCK_PARAMETER = re.compile(r"h\.\d+\.(.+)\.(weight|bias)")
+_BLOCK_PARAMETER = re.compile(r"h\.(\d+)\.(.+)\.(weight|bias)")
 
 
 def feed_forward_size(hf_config: Any) -> int:
@@ -42,7 +42,7 @@ class CheckpointError(ValueError):
 def is_projection_weight(name: str) -> bool:
     """Whether `name` (`h.3.mlp.c_fc.weight`) is a block projection's weight matrix."""
     match = _BLOCK_PARAMETER.fullmatch(name)
-    return match is not None and match.group(2) == "weight" and match.group(1) in PROJECTIONS
+    return match is not None and match.group(3) == "weight" and match.group(2) in PROJECTIONS
 
 
 def hub_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -105,6 +105,17 @@ def match_tensors(
         CheckpointError: an unexpected (`foreign`: what it is not), wrongly shaped
             or missing tensor, naming it.
     """
+    found = list(found)
+    blocks = 1 + max(
+        (int(m.group(1)) for _, name, _ in found
+         if name is not None and (m := _BLOCK_PARAMETER.fullmatch(name))),
+        default=-1,
+    )
+    if hf_config.n_layer > blocks:  # before listing n_layer blocks' parameters
+        raise CheckpointError(
+            f"{source} holds the tensors of {blocks} block(s); the config's n_layer "
+            f"is {hf_config.n_layer}."
+        )
     expected = expected_shapes(hf_config)
     matched = []
     for key, name, shape in found:

@@ -96,10 +96,13 @@ def test_the_stop_patch_serves_several_tokenizer_types_and_patches_once() -> Non
     class Second:
         pass
 
-    shims.install(First)
+    def check(paths):
+        pass
+
+    shims.install(First, check)
     patched = TokenGeneratorPipeline.next_token_chunk
-    shims.install(Second)
-    shims.install(First)
+    shims.install(Second, check)
+    shims.install(First, check)
     assert TokenGeneratorPipeline.next_token_chunk is patched
     assert patched.cuts_at_stops
     assert stop_strings._TOKENIZER_TYPES.count(First) == 1

@@ -2,14 +2,18 @@
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 from max.pipelines.context import GenerationStatus
+from max.serve.pipelines.incremental_detokenizer import create_buffered_detokenizer
 from max.serve.pipelines.llm import TokenGeneratorOutput
+from transformers import AutoTokenizer
 
 from gpt2_max.shims.stop_strings import cut_at_stops, needed
 from gpt2_max.stop import StopScanner
 from gpt2_max.testing.reference import stopped_text
+from gpt2_max.tokenizer import TOKENIZER_DIR
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -93,3 +97,53 @@ def test_a_chunk_of_several_tokens_keeps_those_up_to_the_stop() -> None:
             groups.append(ids[at:at + size])
             at += size
         assert cut_ids(groups, stops, alphabet) == cut_ids([[i] for i in ids], stops, alphabet)
+
+
+def served_ids(groups: list[list[int]], stops: list[str]) -> tuple[list[int], int, str]:
+    """Ids, count and text the routes see when the worker sends GPT-2 tokens in `groups`,
+    each chunk's text made by MAX's own buffered detokenizer (which holds back a token
+    that ends inside a UTF-8 character), the stop's tokens found by the tokenizer's
+    decode (which shows such a character as U+FFFD)."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    delegate = SimpleNamespace(delegate=tokenizer)
+
+    async def source():
+        detokenizer = create_buffered_detokenizer(delegate, [], skip_special_tokens=True)
+        for i, ids in enumerate(groups):
+            status = GenerationStatus.MAXIMUM_LENGTH if i == len(groups) - 1 else (
+                GenerationStatus.ACTIVE)
+            text = await detokenizer.decode(ids)
+            yield TokenGeneratorOutput(status=status, decoded_tokens=text or None,
+                                       token_count=len(ids), token_ids=list(ids))
+
+    async def run():
+        cut = cut_at_stops(source(), StopScanner(stops), lambda: None,
+                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        return [c async for c in cut]
+
+    out = asyncio.run(run())
+    return (sum((c.token_ids for c in out), []), sum(c.token_count for c in out),
+            "".join(c.decoded_tokens or "" for c in out))
+
+
+@pytest.mark.parametrize("stop", ["age ", "age \u2014", "\u2014 two"])
+def test_a_stop_completed_inside_an_unfinished_character_counts_the_same_in_every_mode(stop):
+    """Issue 47's case: a token that is a space and the first byte of a three-byte
+    character completes the stop "age " (its text, and so the stop, reaches the routes
+    only with a later token); a stop that ends on that character completes two tokens
+    later, at its last byte; one that starts inside it ends later still. One token a
+    chunk, and the same tokens in chunks of several, give the ids and count of the rule:
+    up to the token whose decoded text completes the stop."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    space_and_first_byte = tokenizer.convert_tokens_to_ids("\u0120\u00e2")  # " " + 0xE2
+    rest_of_dash = [tokenizer.convert_tokens_to_ids(b) for b in ("\u0122", "\u0136")]  # 80 94
+    ids = [*tokenizer.encode("Taselage"), space_and_first_byte, *rest_of_dash,
+           *tokenizer.encode(" two COMMUN things")]
+    assert tokenizer.decode(ids) == "Taselage \u2014 two COMMUN things"
+    completes = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n]))
+    want = (ids[:completes], completes)
+    for size in range(1, len(ids) + 1):
+        groups = [ids[at:at + size] for at in range(0, len(ids), size)]
+        got_ids, count, text = served_ids(groups, [stop])
+        assert (got_ids, count) == want, size
+        assert text == "Taselage \u2014 two COMMUN things".split(stop)[0], size

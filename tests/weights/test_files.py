@@ -21,3 +21,10 @@ def test_truncated_file_is_refused_naming_it(tmp_path, keep):
     weights.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(IncompleteCheckpointError, match="model.safetensors"):
         check_complete([weights])
+
+
+def test_a_length_field_past_the_end_of_the_file_is_refused_naming_it(tmp_path):
+    weights = write_tiny_checkpoint(tmp_path) / "model.safetensors"
+    weights.write_bytes((2**60).to_bytes(8, "little") + weights.read_bytes()[8:])
+    with pytest.raises(IncompleteCheckpointError, match="model.safetensors is damaged or trunc"):
+        check_complete([weights])

@@ -1,0 +1,69 @@
+"""A damaged local weight file named before MAX 26.7 reads its header and says nothing.
+
+MAX picks the encoding of a checkpoint by reading each safetensors header
+(`HuggingFaceRepo.supported_encodings`), skips a header it cannot read with a
+debug line only, and then refuses the checkpoint with "compatible weights cannot
+be found for 'float32'", which names neither the file nor what is wrong with it
+(a length field that claims more than the file holds, a header that is not
+JSON). The package's own check of weight files (`weights.files.check_complete`,
+also run when the architecture's config is built) names both, so this module
+runs it first: it wraps `PipelineConfig._model_with_resolved_weights`, the step
+that resolves a model's weights and encoding for its architecture, and hands
+the local weight files of a model whose architecture's tokenizer installed a
+check to that check, before MAX's own resolution reads them. Other models, and
+checkpoints on the hub (which MAX reads through the hub's metadata), are left to
+MAX.
+
+Installed by `shims.install` on the releases in `NEEDED_FOR`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from max.pipelines.lib.config.config import PipelineConfig
+
+NEEDED_FOR = ("26.7.",)
+"""MAX releases (version prefixes) that refuse a damaged header without naming it."""
+
+_CHECKS: dict[type, Callable[[list[Path]], None]] = {}
+"""Per tokenizer type of an architecture, the check its weight files get here."""
+
+
+def needed(max_version: str | None = None) -> bool:
+    """Whether this MAX release needs the check."""
+    return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
+
+
+def local_weight_files(model: Any) -> list[Path]:
+    """The weight files of `model` (a `MAXModelConfig`) on this machine: those it names
+    (`--weight-path`), else every weight file of its local checkpoint folder."""
+    repo = model.huggingface_weight_repo
+    if repo.repo_type != "local":
+        return []
+    folder = Path(repo.local_path)
+    if model.weight_path:
+        return [folder / path for path in model.weight_path]
+    return [folder / name for names in repo.weight_files.values() for name in names]
+
+
+def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
+    """Runs `check` (which raises naming what is wrong) on the local weight files of
+    `tokenizer_type`'s models before MAX resolves them (patched once)."""
+    if not needed():
+        return
+    _CHECKS[tokenizer_type] = check
+    original = PipelineConfig._model_with_resolved_weights
+    if getattr(original, "checks_weight_files", False):
+        return
+
+    def resolved(model: Any, arch: Any) -> Any:
+        if (check := _CHECKS.get(arch.tokenizer)) is not None:
+            check(local_weight_files(model))
+        return original(model, arch)
+
+    resolved.checks_weight_files = True  # type: ignore[attr-defined]
+    PipelineConfig._model_with_resolved_weights = staticmethod(resolved)  # type: ignore[method-assign]

@@ -1,0 +1,149 @@
+"""Damaged checkpoints: each one loads, or is refused with a message naming the cause.
+
+Valid checkpoints (safetensors and F32 GGUF, tiny, with the real tokenizer) are
+mutated one way per case, as a bad download, a hand edit or a hostile file would:
+a `config.json` field set to a hostile value, bytes of a safetensors header (its
+length field included) changed, a tokenizer file changed or cut. Each is then
+opened the way `max serve` opens a checkpoint, up to the graph compile
+(`open_checkpoint`). What must hold: it returns, or raises an error (not a crash,
+not a hang) whose message names the file that is damaged, or the config field, or
+says that the config disagrees with the tensors. The config fields drawn are those
+the package reads; `model_type` and `architectures`, which MAX and transformers
+read to pick the architecture before the package is asked, are not, nor are a
+GGUF's metadata bytes (the fuzz record, `benchmarks/results/2026-11-27-fuzz-tier.md`,
+says what those do). `hypothesis` draws the cases, seeded (profiles:
+`tests/conftest.py`); `--hypothesis-show-statistics` prints how they ended.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+from max.graph.weights import load_weights
+from max.pipelines.lib import PipelineConfig
+from max.pipelines.lib.config import PipelineArgs
+
+import gpt2_max.arch  # noqa: F401 - registers the architecture and its shims
+from gpt2_max.model_config import GPT2ArchConfig
+from gpt2_max.names import PACKAGE
+from gpt2_max.testing.reference import TINY, save_gguf, write_tiny_checkpoint
+from gpt2_max.tokenizer import GPT2TextTokenizer
+from gpt2_max.weights import gguf, safetensors
+from gpt2_max.weights.files import TOKENIZER_FILES
+
+pytestmark = pytest.mark.tier("fuzz")
+
+ADAPTERS = {".safetensors": safetensors.convert_safetensor_state_dict,
+            ".gguf": gguf.convert_gguf_state_dict}
+
+
+def open_checkpoint(folder: Path) -> None:
+    """What `max serve` does with `folder` before it compiles: MAX resolves the config,
+    weights and encoding (the package's shims first), the architecture's config is
+    built and checked, the tokenizer loads, the weights pass the format's adapter."""
+    config = PipelineConfig.from_args(PipelineArgs.from_flat_kwargs(
+        model_path=str(folder), custom_architectures=[PACKAGE], device_specs="cpu",
+        max_batch_size=1,
+    ))
+    GPT2ArchConfig.initialize(config, max_seq_len=64)
+    GPT2TextTokenizer(str(folder), config)
+    paths = [folder / path for path in config.model.weight_path]
+    adapter = ADAPTERS[paths[0].suffix]
+    adapter(dict(load_weights(paths).items()), config.model.huggingface_config)
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory, gpt2_max_reference) -> dict[str, Path]:
+    """The checkpoints every case copies and damages."""
+    root = tmp_path_factory.mktemp("fuzz-files")
+    return {
+        "safetensors": write_tiny_checkpoint(root / "safetensors"),
+        "gguf": save_gguf(gpt2_max_reference.model, root / "gguf", "f32").parent,
+    }
+
+
+def copy_of(originals: dict[str, Path], kind: str, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("case")
+    shutil.copytree(originals[kind], folder, dirs_exist_ok=True)
+    return folder
+
+
+def weight_file(folder: Path) -> Path:
+    return next(p for p in sorted(folder.iterdir()) if p.suffix in ADAPTERS)
+
+
+def outcome(folder: Path, names: tuple[str, ...]) -> str:
+    """Opens `folder`; asserts a refusal names one of `names` (or says the config
+    disagrees with the tensors), and says how it ended."""
+    try:
+        open_checkpoint(folder)
+    except Exception as error:  # noqa: BLE001 - every refusal is checked below
+        message = f"{type(error).__name__}: {error}"
+        assert any(name in message for name in names) or "config" in message, message
+        return type(error).__name__
+    return "loaded"
+
+
+hostile = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(),
+    st.text(max_size=12), st.lists(st.integers(), max_size=2), st.dictionaries(
+        st.text(max_size=3), st.integers(), max_size=2),
+)
+CONFIG_FIELDS = sorted({
+    *TINY, "vocab_size", "n_inner", "activation_function", "layer_norm_epsilon",
+    "tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+    "n_ctx", "add_cross_attention",
+})
+"""The `config.json` fields the package reads."""
+
+
+@given(kind=st.sampled_from(["safetensors", "gguf"]), field=st.sampled_from(CONFIG_FIELDS),
+       value=hostile)
+def test_a_hostile_config_field(originals, tmp_path_factory, kind, field, value):
+    folder = copy_of(originals, kind, tmp_path_factory)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    said = (field, field.replace("_", " "), "config.json")
+    event(f"config {field}: {outcome(folder, said)}")
+
+
+@given(data=st.data())
+def test_damaged_safetensors_headers(originals, tmp_path_factory, data):
+    folder = copy_of(originals, "safetensors", tmp_path_factory)
+    path = weight_file(folder)
+    content = bytearray(path.read_bytes())
+    if data.draw(st.booleans(), "length field"):
+        content[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1), "length"))
+    else:
+        end = 8 + struct.unpack("<Q", content[:8])[0]
+        for _ in range(data.draw(st.integers(1, 4), "changes")):
+            content[data.draw(st.integers(0, end - 1), "at")] = data.draw(st.integers(0, 255))
+    path.write_bytes(bytes(content))
+    # A changed tensor name is named as an unexpected tensor (its key is what changed).
+    event(f"safetensors header: {outcome(folder, (path.name, 'tensor'))}")
+
+
+@given(name=st.sampled_from(TOKENIZER_FILES), data=st.data())
+def test_damaged_tokenizer_files(originals, tmp_path_factory, name, data):
+    folder = copy_of(originals, "safetensors", tmp_path_factory)
+    path = folder / name
+    content = bytearray(path.read_bytes())
+    if data.draw(st.booleans(), "cut"):
+        content = content[: data.draw(st.integers(0, len(content) - 1), "length")]
+    else:
+        content[data.draw(st.integers(0, len(content) - 1), "at")] = data.draw(st.integers(0, 255))
+    path.write_bytes(bytes(content))
+    event(f"{name}: {outcome(folder, (name,))}")
+
+
+def test_open_checkpoint_opens_the_originals(originals: dict[str, Any]) -> None:
+    """The cases start from checkpoints that load."""
+    for folder in originals.values():
+        open_checkpoint(folder)
