@@ -64,7 +64,7 @@ settings.register_profile(
     "default", derandomize=True, max_examples=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-settings.register_profile("long", settings.get_profile("default"), max_examples=1000)
+settings.register_profile("long", settings.get_profile("default"), max_examples=200)
 settings.load_profile("default")
 """The `fuzz` tier's cases are seeded (`derandomize`): the same on every run. The
 default profile is the short slice every suite run (and CI) takes; `python -m pytest

@@ -64,10 +64,17 @@ class _Cursor:
         self.at += size
 
     def string(self) -> bytes:
+        """A string's bytes, which GGUF defines as UTF-8 (checked: the readers that
+        come later decode them, and would fail naming neither the file nor the byte)."""
         length = self.one("Q")
         start = self.at
         self.skip(length)
-        return bytes(self.buffer[start:self.at])
+        text = bytes(self.buffer[start:self.at])
+        try:
+            text.decode()
+        except UnicodeDecodeError as error:
+            raise ValueError(f"the string at byte {start} is not UTF-8 ({error.reason})") from None
+        return text
 
     def value(self, kind: int) -> object:
         """A metadata value; arrays are skipped (only `general.alignment` is needed)."""
@@ -107,7 +114,7 @@ def tensor_extents(buffer: bytes | mmap.mmap) -> list[TensorExtent]:
             alignment = value
     described = []
     for _ in range(tensor_count):
-        name = cursor.string().decode(errors="replace")
+        name = cursor.string().decode()
         dims = cursor.take("Q", cursor.one("I"))
         kind, offset = cursor.one("I"), cursor.one("Q")
         described.append((name, dims, kind, offset))

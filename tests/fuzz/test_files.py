@@ -3,14 +3,14 @@
 Valid checkpoints (safetensors and F32 GGUF, tiny, with the real tokenizer) are
 mutated one way per case, as a bad download, a hand edit or a hostile file would:
 a `config.json` field set to a hostile value, bytes of a safetensors header (its
-length field included) changed, a tokenizer file changed or cut. Each is then
-opened the way `max serve` opens a checkpoint, up to the graph compile
-(`open_checkpoint`). What must hold: it returns, or raises an error (not a crash,
-not a hang) whose message names the file that is damaged, or the config field, or
-says that the config disagrees with the tensors. The config fields drawn are those
-the package reads; `model_type` and `architectures`, which MAX and transformers
-read to pick the architecture before the package is asked, are not, nor are a
-GGUF's metadata bytes (the fuzz record, `benchmarks/results/2026-11-27-fuzz-tier.md`,
+length field included) or of a GGUF's header and metadata changed, a tokenizer
+file changed or cut. Each is then opened the way `max serve` opens a checkpoint,
+up to the graph compile (`open_checkpoint`). What must hold: it returns, or raises
+an error (not a crash, not a hang) whose message names the file that is damaged,
+or the config field, or says that the config disagrees with the tensors. The
+config fields drawn are those the package reads; `model_type` and `architectures`,
+which MAX and transformers read to pick the architecture before the package is
+asked, are not (the fuzz record, `benchmarks/results/2026-11-27-fuzz-tier.md`,
 says what those do). `hypothesis` draws the cases, seeded (profiles:
 `tests/conftest.py`); `--hypothesis-show-statistics` prints how they ended.
 """
@@ -128,6 +128,17 @@ def test_damaged_safetensors_headers(originals, tmp_path_factory, data):
     path.write_bytes(bytes(content))
     # A changed tensor name is named as an unexpected tensor (its key is what changed).
     event(f"safetensors header: {outcome(folder, (path.name, 'tensor'))}")
+
+
+@given(data=st.data())
+def test_damaged_gguf_headers(originals, tmp_path_factory, data):
+    folder = copy_of(originals, "gguf", tmp_path_factory)
+    path = weight_file(folder)
+    content = bytearray(path.read_bytes())
+    for _ in range(data.draw(st.integers(1, 4), "changes")):  # the header and metadata
+        content[data.draw(st.integers(0, 4095), "at")] = data.draw(st.integers(0, 255))
+    path.write_bytes(bytes(content))
+    event(f"gguf header: {outcome(folder, (path.name, 'tensor', 'GGUF'))}")
 
 
 @given(name=st.sampled_from(TOKENIZER_FILES), data=st.data())

@@ -73,3 +73,16 @@ def test_file_cut_inside_its_header_is_refused(whole, tmp_path):
 def test_file_without_a_header_is_refused(whole, tmp_path, keep):
     with pytest.raises(IncompleteCheckpointError, match="m.gguf (is empty|has no readable GGUF)"):
         check_complete([cut(whole, keep, tmp_path)])
+
+
+def test_a_string_that_is_not_utf8_is_refused_naming_the_file_and_byte(whole, tmp_path):
+    """GGUF's strings are UTF-8; the first key starts at byte 32 (after magic, version,
+    the two counts and its length). A reader that decodes it later would fail naming
+    neither the file nor the byte."""
+    content = bytearray(whole.read_bytes())
+    content[32] = 0xFF
+    path = tmp_path / "m.gguf"
+    path.write_bytes(bytes(content))
+    with pytest.raises(IncompleteCheckpointError, match="m.gguf has no readable GGUF header "
+                       r"\(the string at byte 32 is not UTF-8"):
+        check_complete([path])
