@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from max.dtype import DType
@@ -33,9 +32,9 @@ from typing_extensions import Self, override
 from . import encodings
 from .names import PACKAGE
 from .shims.internals import quantization_encoding
-from .weights.files import check_complete, unreadable_tokenizer_file
+from .weights.files import check_complete, tokenizer_files_named
 from .weights.plan import WeightPlan
-from .weights.schema import CheckpointError, feed_forward_size, ties_word_embeddings
+from .weights.schema import feed_forward_size, ties_word_embeddings
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
 #: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
@@ -78,16 +77,12 @@ def tokenizer_vocab_size(model_path: str, revision: str | None, trust_remote_cod
         CheckpointError: a tokenizer file of the folder `model_path` does not parse,
             naming it.
     """
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_path, revision=revision, trust_remote_code=trust_remote_code
+    with tokenizer_files_named(model_path):
+        return len(
+            AutoTokenizer.from_pretrained(
+                model_path, revision=revision, trust_remote_code=trust_remote_code
+            )
         )
-    except Exception as error:
-        folder = Path(model_path)
-        if folder.is_dir() and (problem := unreadable_tokenizer_file(folder)):
-            raise CheckpointError(f"{problem}; restore the model's own copy.") from error
-        raise
-    return len(tokenizer)
 
 
 class UnsupportedCheckpointError(ValueError):

@@ -48,8 +48,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
-from .weights.files import TOKENIZER_FILES, unreadable_tokenizer_file
-from .weights.schema import CheckpointError
+from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 """The real GPT-2 tokenizer, vendored so nothing needs the network."""
@@ -75,13 +74,8 @@ class GPT2TextTokenizer(TextTokenizer):
     def __init__(
         self, model_path: str, pipeline_config: PipelineConfig, **kwargs: Any
     ) -> None:
-        try:
+        with tokenizer_files_named(model_path):
             super().__init__(model_path, pipeline_config, **kwargs)
-        except Exception as error:
-            folder = Path(model_path)
-            if folder.is_dir() and (problem := unreadable_tokenizer_file(folder)):
-                raise CheckpointError(f"{problem}; restore the model's own copy.") from error
-            raise
         self.valid_token_ids = usable_vocab_size(
             pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
         )

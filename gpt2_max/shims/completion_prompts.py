@@ -37,7 +37,7 @@ def check(body: Any) -> None:
     if isinstance(prompt, list):
         if not prompt:
             raise InputError("prompt is empty: give a string, or a list of token ids or strings.")
-        if body.stream and (isinstance(prompt[0], str | list)) and len(prompt) > 1:
+        if body.stream and isinstance(prompt[0], str | list) and len(prompt) > 1:
             raise InputError(
                 f"stream answers one prompt, and this request has {len(prompt)}: "
                 "send each prompt in a request of its own, or leave stream off."

@@ -10,10 +10,12 @@ about the file. A truncated GGUF stops the start with numpy's words instead
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .gguf_extent import check_gguf_length
+from .schema import CheckpointError
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file starts with its JSON header's length, little-endian u64."""
@@ -42,6 +44,19 @@ def unreadable_tokenizer_file(folder: Path) -> str | None:
         except ValueError as error:
             return f"tokenizer file {name} in {folder} cannot be read ({error})"
     return None
+
+
+@contextmanager
+def tokenizer_files_named(model_path: str) -> Iterator[None]:
+    """Runs a tokenizer load; where it fails and a tokenizer file of the folder
+    `model_path` does not parse, raises `CheckpointError` naming that file instead."""
+    try:
+        yield
+    except Exception as error:
+        folder = Path(model_path)
+        if folder.is_dir() and (problem := unreadable_tokenizer_file(folder)):
+            raise CheckpointError(f"{problem}; restore the model's own copy.") from error
+        raise
 
 
 SAFETENSORS_DTYPES = frozenset({

@@ -79,6 +79,12 @@ def weight_file(folder: Path) -> Path:
     return next(p for p in sorted(folder.iterdir()) if p.suffix in ADAPTERS)
 
 
+def change_bytes(content: bytearray, end: int, data: st.DataObject) -> None:
+    """Sets one to four of the first `end` bytes of `content` to drawn values."""
+    for _ in range(data.draw(st.integers(1, 4), "changes")):
+        content[data.draw(st.integers(0, end - 1), "at")] = data.draw(st.integers(0, 255))
+
+
 def outcome(folder: Path, names: tuple[str, ...]) -> str:
     """Opens `folder`; asserts a refusal names one of `names` (or says the config
     disagrees with the tensors), and says how it ended."""
@@ -122,9 +128,7 @@ def test_damaged_safetensors_headers(originals, tmp_path_factory, data):
     if data.draw(st.booleans(), "length field"):
         content[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1), "length"))
     else:
-        end = 8 + struct.unpack("<Q", content[:8])[0]
-        for _ in range(data.draw(st.integers(1, 4), "changes")):
-            content[data.draw(st.integers(0, end - 1), "at")] = data.draw(st.integers(0, 255))
+        change_bytes(content, 8 + struct.unpack("<Q", content[:8])[0], data)
     path.write_bytes(bytes(content))
     # A changed tensor name is named as an unexpected tensor (its key is what changed).
     event(f"safetensors header: {outcome(folder, (path.name, 'tensor'))}")
@@ -135,8 +139,7 @@ def test_damaged_gguf_headers(originals, tmp_path_factory, data):
     folder = copy_of(originals, "gguf", tmp_path_factory)
     path = weight_file(folder)
     content = bytearray(path.read_bytes())
-    for _ in range(data.draw(st.integers(1, 4), "changes")):  # the header and metadata
-        content[data.draw(st.integers(0, 4095), "at")] = data.draw(st.integers(0, 255))
+    change_bytes(content, 4096, data)  # the header and metadata
     path.write_bytes(bytes(content))
     event(f"gguf header: {outcome(folder, (path.name, 'tensor', 'GGUF'))}")
 
