@@ -27,13 +27,12 @@ from gguf import GGMLQuantizationType
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import DeviceRef, Graph, Shape, TensorType
-from max.graph.quantization import QuantizationEncoding
-from max.graph.weights import WeightData
+from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
-from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
-from gpt2_max.tools.gguf_quants import quantize
+from gpt2_max.encodings import PACKED_ENCODINGS
+from gpt2_max.layers import kernel_choice, qmatmul
+from gpt2_max.weights.gguf_quants import quantize
 
 D, FF = 768, 3072
 
@@ -47,7 +46,7 @@ def chain(encoding: str, weights: list[np.ndarray], kernel: str, rows: int) -> G
         x = graph.inputs[0].tensor
         for w in graph.inputs[1:]:
             if kernel == "max":
-                x = _matmul(QuantizationEncoding[encoding.upper()], x, w.tensor)
+                x = qmatmul.matmul(encoding, x, w.tensor)
             else:
                 x = kernels.packed_matmul(encoding, x, w.tensor, dot=kernel)
         graph.output(x)
@@ -74,14 +73,9 @@ def main() -> None:
         ]
         nbytes = sum(b.nbytes for b in blocks)
         variants = {dot: blocks for dot in args.dots.split(",")}
-        if has_max_kernel(encoding):
-            qe = QuantizationEncoding[encoding.upper()]
-            state = {
-                str(i): WeightData(b, str(i), DType.uint8, Shape(b.shape), qe)
-                for i, b in enumerate(blocks)
-            }
-            repacked = repack(state)
-            variants["max"] = [np.asarray(repacked[str(i)].data) for i in range(len(blocks))]
+        if encoding in PACKED_ENCODINGS:
+            repack = qmatmul.Repacker({encoding})
+            variants["max"] = [repack(encoding, b) for b in blocks]
         for name, weights in variants.items():
             model = session.load(chain(encoding, weights, name, args.rows))
             buffers = [Buffer.from_numpy(np.ones((args.rows, D), np.float32))]
@@ -107,6 +101,11 @@ def main() -> None:
         med, best = statistics.median(times), min(times)
         print(f"{encoding:6} {name:9} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
               f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
+    print("The model's kernel for each type on this CPU (layers/kernel_choice.py):")
+    for encoding in args.types.split(","):
+        choice = kernel_choice.choice(encoding) if encoding in PACKED_ENCODINGS else None
+        print("  " + (choice.describe(encoding) if choice else
+                      f"{encoding} weights: package's kernel (MAX has none for {encoding})"))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,6 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
-from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights
 from max.pipelines.lib import SamplingConfig
 from max.pipelines.sampling.sampling import token_sampler
@@ -87,7 +86,9 @@ from max.pipelines.sampling.sampling import token_sampler
 from gpt2_max import kernels
 from gpt2_max.cpu_runtime import threads
 from gpt2_max.generate import Generator
-from gpt2_max.layers.quantized import _matmul, has_max_kernel, repack
+from gpt2_max.layers import qmatmul
+from gpt2_max.layers.kernel_choice import uses_max_kernel
+from gpt2_max.layers.quantized import repack
 from gpt2_max.shims.internals import gguf_reader
 from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
@@ -327,11 +328,11 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
         for name, encoding, has_bias in plan:
             w = next(inputs)
             b = next(inputs) if has_bias else None
-            if encoding is not None and not has_max_kernel(encoding):
+            if encoding is not None and not uses_max_kernel(encoding):
                 y = (kernels.packed_linear(encoding, x, w, b) if b is not None
                      else kernels.packed_matmul(encoding, x, w))
             elif encoding is not None:
-                y = _matmul(QuantizationEncoding[encoding.upper()], x, w)
+                y = qmatmul.matmul(encoding, x, w)
                 if b is not None:
                     y = y[:, : b.shape[0]] + b
             elif b is not None:

@@ -22,9 +22,9 @@ from gpt2_max.tools.checkpoint import (
     random_hub_state_dict,
     write_checkpoint,
 )
-from gpt2_max.tools.gguf_quants import quantize
 from gpt2_max.tools.gguf_writer import write_gguf
 from gpt2_max.weights.gguf_names import gguf_name
+from gpt2_max.weights.gguf_quants import quantize
 
 pytestmark = pytest.mark.tier("unit")
 

@@ -30,10 +30,10 @@ from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_pro
 from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tools.checkpoint import random_hub_state_dict
 from gpt2_max.tools.gguf_config import write_companion_files
-from gpt2_max.tools.gguf_quants import quantize
 from gpt2_max.tools.gguf_writer import gguf_tensors, write_gguf, write_tensors
 from gpt2_max.weights.gguf import convert_gguf_state_dict
 from gpt2_max.weights.gguf_names import gguf_name
+from gpt2_max.weights.gguf_quants import quantize
 from gpt2_max.weights.plan import WeightPlan, block_type
 from gpt2_max.weights.schema import CheckpointError
 

@@ -18,15 +18,16 @@ rounded to int8 a prefill-only arithmetic would change a batched request's token
 The arithmetic (`dot_path`; the ops' `dot` parameter names one for
 tests and benchmarks, DOT_AUTO is what the model runs) is, for the K-quants, the
 fastest the CPU has that keeps the float result:
-- int8x2 (AVX-512 VNNI: Zen 4, Cascade Lake and later Xeons): x rounded to int8 per
-  block of 256 and its remainder rounded again (`_X8`), each multiplied in integers
-  (`_tile_vnni`), to about 2^-16 of each block's largest activation. An integer dot
-  takes fewer instructions per weight than a bfloat16 one, so two terms still beat
-  the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
+- int8x2 (`INT8_DOT`: AVX-512 VNNI on Zen 4 and Cascade Lake and later Xeons, or
+  AVX2's byte products on the CPUs without AVX-512, Zen 2 and 3 among them): x rounded
+  to int8 per block of 256 and its remainder rounded again (`_X8`), each multiplied in
+  integers (`_tile_vnni`), to about 2^-16 of each block's largest activation. An
+  integer dot takes fewer instructions per weight than a bfloat16 one, so two terms
+  still beat the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
 - bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
 - float32: every weight decoded to float32 in registers (`_tile`); Q4_0 always runs
-  this way, and Q5_0, Q5_1 and Q8_0 where the CPU lacks VNNI (with it they take an
-  int8x2 path of their own, `_tile_vnni32`, against x rounded per block of 32).
+  this way, and every type on a CPU without AVX2. Q5_0, Q5_1 and Q8_0 take an int8x2
+  path of their own (`_tile_vnni32`, against x rounded per block of 32).
 int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
 llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
 projections of the Q4_K_M parity test (`tests/weights/test_gguf.py`) it costs greedy
@@ -60,8 +61,12 @@ comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
 Lake): K-quant rows then multiply in bfloat16 pairs (`_tile_bf16`), else by
 widening every weight to float32 (`_tile`)."""
 comptime VNNI_DOT = CompilationTarget._has_feature["avx512vnni"]()
-"""Whether the CPU has AVX-512 VNNI (Zen 4, Cascade Lake and later Xeons): K-quant
-rows then round x to 8 bits and multiply in integers (`_tile_vnni`)."""
+"""Whether the CPU has AVX-512 VNNI (Zen 4, Cascade Lake and later Xeons): the integer
+dot products then run in 512-bit registers (`_dot8`, `_dot_u8`)."""
+comptime INT8_DOT = VNNI_DOT or CompilationTarget._has_feature["avx2"]()
+"""Whether the CPU multiplies bytes in integers at all: with VNNI, or with AVX2's
+vpmaddubsw and vpmaddwd on halves (Zen 2 and 3, Haswell to Skylake), where the
+float32 path widens every weight and streams a third as fast as MAX's kernels."""
 comptime BV = SIMD[DType.bfloat16, 32]
 comptime WV = SIMD[DType.int16, 32]
 comptime BPtr = UnsafePointer[BFloat16, MutUntrackedOrigin]
@@ -700,6 +705,16 @@ def _spread[c: Int, fmt: Int](sc: SIMD[DType.int16, 32]) -> SIMD[DType.int16, 32
     """The i16 scale of each lane of vpmaddubsw's result over chunk c (lane k holds
     weights 2k, 2k+1 of the chunk): sub-block 4c + k / 8 (Q6_K) or 4h + p + 2 (k / 16)
     (Q4_K, Q5_K; c = 2h + p), picked from `sc` by vpermw."""
+    comptime if not VNNI_DOT:
+        # No vpermw: each scale covers whole 128-bit quarters (Q6_K) or halves.
+        comptime if fmt == Q6_K:
+            comptime S8 = SIMD[DType.int16, 8]
+            return S8(sc[4 * c]).join(S8(sc[4 * c + 1])).join(
+                S8(sc[4 * c + 2]).join(S8(sc[4 * c + 3]))
+            )
+        else:
+            comptime a = 4 * (c // 2) + c % 2
+            return SIMD[DType.int16, 16](sc[a]).join(SIMD[DType.int16, 16](sc[a + 2]))
     var idx = WV(0)
     comptime for k in range(32):
         comptime if fmt == Q6_K:
@@ -712,8 +727,28 @@ def _spread[c: Int, fmt: Int](sc: SIMD[DType.int16, 32]) -> SIMD[DType.int16, 32
 @always_inline
 def _dot8(acc: IV, q: QV, x: XV, sc: SIMD[DType.int16, 32]) -> IV:
     """acc[l] += sum over weights 4l .. 4l+3 of q x times their pair's scale."""
+    comptime if not VNNI_DOT:
+        return acc + _madd_avx2(q, x, sc)
     var pairs = llvm_intrinsic["llvm.x86.avx512.pmaddubs.w.512", SIMD[DType.int16, 32]](q, x)
     return llvm_intrinsic["llvm.x86.avx512.vpdpwssd.512", IV](acc, pairs, sc)
+
+
+@always_inline
+def _madd_avx2(u: QV, x: XV, w16: SIMD[DType.int16, 32]) -> IV:
+    """Lane l: the sum over bytes 4l .. 4l+3 of u x, each pair of products (summed into
+    i16 by vpmaddubsw, which saturates: the callers keep u x + u x within i16) times
+    its lane of `w16`; AVX2's 256-bit instructions on each half."""
+    comptime H = SIMD[DType.int16, 16]
+    comptime I = SIMD[DType.int32, 8]
+    var lo = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
+        u.slice[32, offset=0](), x.slice[32, offset=0]()
+    )
+    var hi = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
+        u.slice[32, offset=32](), x.slice[32, offset=32]()
+    )
+    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](lo, w16.slice[16, offset=0]())
+    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](hi, w16.slice[16, offset=16]())
+    return a.join(b)
 
 
 @always_inline
@@ -813,7 +848,10 @@ comptime I32Ptr = UnsafePointer[Int32, MutUntrackedOrigin]
 @always_inline
 def _offset32[fmt: Int]() -> Int:
     """What a 32-value block type's unsigned byte u holds beyond its value in steps of
-    d: Q5_0's value is (u - 16) d, Q8_0's (u - 128) d, Q5_1's u d + m."""
+    d: Q5_0's value is (u - 16) d, Q8_0's (u - 128) d, Q5_1's u d + m. Without VNNI
+    Q8_0's bytes stay signed (`_dot_u8`), offset 0."""
+    comptime if fmt == Q8_0 and not VNNI_DOT:
+        return 0
     return 16 if fmt == Q5_0 else (128 if fmt == Q8_0 else 0)
 
 
@@ -893,15 +931,27 @@ struct _X8S[fmt: Int, terms: Int]:
 def _unsigned32[fmt: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
     """A 32-value block's quants in weight order as unsigned bytes (`_offset32`)."""
     comptime if fmt == Q8_0:
+        comptime if not VNNI_DOT:
+            return blk.unsafe_load[width=32](2)
         return blk.unsafe_load[width=32](2) ^ 0x80
     else:
         return _q5[2 if fmt == Q5_0 else 4](blk)
 
 
 @always_inline
-def _dot_u8(acc: IV, u: QV, x: XV) -> IV:
+def _dot_u8[fmt: Int](acc: IV, u: QV, x: XV) -> IV:
     """acc[l] += u[4l] x[4l] + ... + u[4l+3] x[4l+3] (vpdpbusd: unsigned by signed bytes,
-    no saturation)."""
+    no saturation). Without VNNI, vpmaddubsw's i16 pairs would saturate on Q8_0's
+    u up to 255, so its bytes come signed (`_unsigned32`) and multiply as ggml's AVX2
+    kernels do: |w| by x with w's sign."""
+    comptime if not VNNI_DOT:
+        comptime ones = SIMD[DType.int16, 32](1)
+        comptime if fmt == Q8_0:
+            var w = bitcast[DType.int8, 64](u)
+            var sx = w.lt(0).select(-x, x)
+            sx = w.eq(0).select(XV(0), sx)
+            return acc + _madd_avx2(bitcast[DType.uint8, 64](abs(w)), sx, ones)
+        return acc + _madd_avx2(u, x, ones)
     return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", IV](acc, u, x)
 
 
@@ -940,11 +990,11 @@ def _tile_vnni32[fmt: Int, terms: Int, mt: Int](
             var xp = ((m0 + i) * xq.pairs + p) * 16
             var o = (m0 + i) * K + 64 * p
             var scale = wd * xq.d.unsafe_load[width=16](xp)
-            var isum = _dot_u8(xq.init.unsafe_load[width=16](xp * terms), u,
+            var isum = _dot_u8[fmt](xq.init.unsafe_load[width=16](xp * terms), u,
                                (xq.q + o).unsafe_load[width=64](0))
             acc[terms * i] = fma(isum.cast[DType.float32](), scale, acc[terms * i])
             comptime if terms == 2:
-                var lsum = _dot_u8(xq.init.unsafe_load[width=16](xp * 2 + 16), u,
+                var lsum = _dot_u8[fmt](xq.init.unsafe_load[width=16](xp * 2 + 16), u,
                                    (xq.lo + o).unsafe_load[width=64](0))
                 acc[2 * i + 1] = fma(lsum.cast[DType.float32](), scale, acc[2 * i + 1])
             comptime if fmt == Q5_1:
@@ -1002,13 +1052,13 @@ def dot_path[fmt: Int, dot: Int]() -> Int:
     comptime if fmt == Q4_0:
         return DOT_F32
     comptime if fmt == Q5_0 or fmt == Q5_1 or fmt == Q8_0:
-        # No bfloat16 path: int8 where the CPU has VNNI, else float32.
+        # No bfloat16 path: int8 where the CPU multiplies bytes (INT8_DOT), else float32.
         if dot == DOT_AUTO or dot == DOT_INT8 or dot == DOT_INT8X2:
-            return (DOT_INT8X2 if dot == DOT_AUTO else dot) if VNNI_DOT else DOT_F32
+            return (DOT_INT8X2 if dot == DOT_AUTO else dot) if INT8_DOT else DOT_F32
         return DOT_F32
     if dot == DOT_AUTO:
-        return DOT_INT8X2 if VNNI_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
-    if (dot == DOT_BF16 and BF16_DOT) or ((dot == DOT_INT8 or dot == DOT_INT8X2) and VNNI_DOT):
+        return DOT_INT8X2 if INT8_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
+    if (dot == DOT_BF16 and BF16_DOT) or ((dot == DOT_INT8 or dot == DOT_INT8X2) and INT8_DOT):
         return dot
     return DOT_F32
 

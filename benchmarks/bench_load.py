@@ -1,0 +1,140 @@
+"""Serving under continuous arrivals: MAX's own benchmark client (`max benchmark`)
+against `max serve` of this package and llama.cpp's `llama-server`, on the same GGUF
+file, the same cores and the same seeded workload, at each concurrency.
+
+    PYTHONPATH=. python benchmarks/bench_load.py     # nothing else running
+    PYTHONPATH=. python benchmarks/bench_load.py --types f32 --concurrency 8
+
+The client keeps `--concurrency` requests in flight (random prompts of
+`--input-len` tokens, `--output-len` generated, `--seed`ed), so requests start
+while others decode and batches mix prefill and decode, as production traffic
+does. It runs on the same cores as the server, for both servers alike. Each
+server runs as README recommends for the CPU: `max serve` with metric recording
+off and a KV cache bounded to the tokens in flight, `llama-server` with a slot per
+request in flight and every core. Reported per server and concurrency: total
+output throughput, mean TTFT and TPOT, mean and p50 inter-token latency (the
+gaps a streaming client sees), failed requests; and the ratios against
+llama-server. A table per run goes to `results/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import llama_cpp_tools
+from bench_serve import CHECKPOINTS, RESULTS, THREADS, gguf_file
+from bench_start import cpu_model
+
+from gpt2_max.testing.server import MODEL_NAME, child_env, max_serve
+from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
+
+SERVE_ENV = {"MAX_SERVE_METRIC_RECORDING_METHOD": "NOOP"}
+"""README's recommendation for serving on the CPU: no per-step metric recording."""
+FIGURES = {
+    "output_throughput": "output tok/s",
+    "mean_ttft_ms": "TTFT mean ms",
+    "mean_tpot_ms": "TPOT mean ms",
+    "mean_itl_ms": "ITL mean ms",
+    "median_itl_ms": "ITL p50 ms",
+    "failed": "failed",
+}
+"""What `max benchmark` writes to its result file that the table shows, and its label."""
+
+
+def client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace,
+           out: Path) -> dict[str, float]:
+    """One `max benchmark` run against `url`; its result file's figures."""
+    host, port = url.removeprefix("http://").split(":")
+    command = [
+        "max", "benchmark", "--backend", "vllm", "--host", host, "--port", port,
+        "--model", MODEL_NAME, "--tokenizer", str(tokenizer),
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len),
+        "--num-prompts", str(max(args.min_prompts, args.prompts_per_slot * concurrency)),
+        "--max-concurrency", str(concurrency), "--seed", str(args.seed),
+        "--skip-test-prompt", "--result-filename", str(out),
+    ]
+    subprocess.run(command, check=True, capture_output=True, env=child_env())
+    result = json.loads(out.read_text())
+    figures = {key: float(result.get(key) or 0) for key in FIGURES}
+    figures["failed"] = float(result.get("failed", result.get("num_failed", 0)) or 0)
+    return figures
+
+
+def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path) -> dict:
+    top = max(args.concurrency)
+    flags = ("--weight-path", str(gguf), "--max-batch-size", str(top),
+             "--max-batch-total-tokens", str(top * (args.input_len + args.output_len)))
+    with max_serve(gguf.parent, *flags, log=scratch / f"max-{gguf.stem}.log",
+                   env={**SERVE_ENV, **dict(e.split("=", 1) for e in args.serve_env)}) as server:
+        return {c: client(server.url, tokenizer, c, args, scratch / f"max-{gguf.stem}-{c}.json")
+                for c in args.concurrency}
+
+
+def run_llama(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path) -> dict:
+    top = max(args.concurrency)
+    with llama_cpp_tools.server(gguf, THREADS, parallel=top,
+                                ctx_per_slot=args.input_len + args.output_len) as url:
+        return {c: client(url, tokenizer, c, args, scratch / f"llama-{gguf.stem}-{c}.json")
+                for c in args.concurrency}
+
+
+def table(results: dict, args: argparse.Namespace, cpu: str) -> str:
+    lines = [f"CPU: {cpu}; max benchmark, random {args.input_len} in / {args.output_len} "
+             f"out, seed {args.seed}; client on the same cores", "",
+             "| file | concurrency | server | " + " | ".join(FIGURES.values()) + " |",
+             "| --- | ---: | --- |" + " ---: |" * len(FIGURES)]
+    for file_type, servers in results.items():
+        for c in args.concurrency:
+            for name, runs in servers.items():
+                cells = [f"{runs[c][k]:,.1f}" for k in FIGURES]
+                lines.append(f"| {file_type} | {c} | {name} | " + " | ".join(cells) + " |")
+            ours, theirs = servers["gpt2-max"][c], servers["llama-server"][c]
+            ratio = [ours[k] / theirs[k] if theirs[k] else float("nan") for k in FIGURES]
+            lines.append(f"| {file_type} | {c} | ratio | "
+                         + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--types", default="f32,q4_k_m")
+    parser.add_argument("--concurrency", default="1,8,32",
+                        type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-per-slot", type=int, default=4)
+    parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="add to max serve's environment (repeatable)")
+    args = parser.parse_args()
+    checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
+    if not (checkpoint / "model.safetensors").exists():
+        write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
+    scratch = Path(tempfile.mkdtemp(prefix="gpt2-max-load-"))
+    results = {}
+    for file_type in args.types.split(","):
+        gguf = gguf_file(checkpoint, file_type)
+        results[file_type] = {
+            "gpt2-max": run_max(gguf, checkpoint, args, scratch),
+            "llama-server": run_llama(gguf, checkpoint, args, scratch),
+        }
+        print(table({file_type: results[file_type]}, args, cpu_model()), flush=True)
+    report = table(results, args, cpu_model())
+    print(report)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"load-{args.preset}.md"
+    out.write_text(report + "\n")
+    print(f"(written to {out}; server logs and client results in {scratch})")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MODULAR_TELEMETRY_ENABLED", "0")
+    main()

@@ -1,0 +1,187 @@
+"""Which kernel multiplies a packed block type on this CPU, MAX's or the package's:
+timed once per CPU, then read from MAX's cache.
+
+MAX's `qmatmul` (`qmatmul.py`) covers Q4_0, Q4_K and Q6_K; the package's
+(`kernels/mojo/kquant.mojo`) every packed type. Which of the two is faster depends
+on the machine more than on the format (the AMD EPYCs of this project's machines
+disagree with each other and with the Intel Xeons: `docs/performance.md`, "Packed
+kernels per CPU"), so the choice is a measurement, not a table or a vendor check.
+The first load of such a type on a CPU times both on a chain of GPT-2's MLP
+projections (weights past the L3, as a model's are), at one row (a decode step) and
+at `PREFILL_ROWS` (a prefill chunk), and keeps the kernel that serves a request of
+`REQUEST` tokens sooner. MAX's keeps the type unless the package's is faster by
+more than `MARGIN`, so timing noise does not flip a choice between starts. The
+result is kept in MAX's cache, keyed by the CPU, MAX's version and the kernels'
+sources; later starts, and the other processes of a server, read it.
+
+One kernel serves every row count of a type, so a request's rows come out the same
+whatever they are batched with. `GPT2_MAX_PACKED_KERNEL=max` or `=package` names
+one instead (tests and benchmarks that compare them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph, TensorType
+
+from .. import kernels
+from ..encodings import PACKED_ENCODINGS
+from ..kernels.package import source_hash
+from ..max_cache import max_cache_dir
+from ..names import PACKAGE, env_var
+from ..weights.gguf_quants import quantize
+from . import qmatmul
+
+logger = logging.getLogger("max.pipelines")
+
+KERNEL_ENV = env_var("PACKED_KERNEL")
+KERNELS = ("max", "package")
+PREFILL_ROWS = 64
+REQUEST = (900, 128)
+"""(prompt, generated) tokens of the request the two kernels are weighed on: the
+prefill and decode shapes of the benchmarks' targets (pp900, tg128)."""
+MARGIN = 1.1
+LAYERS = 24
+"""(768 -> 3072 -> 768) pairs timed: 64 MB of Q4_K, past a 32 MiB L3."""
+D, FF = 768, 3072
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: str
+    """"max" or "package"."""
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per kernel, the chain's median milliseconds at "decode" and "prefill" rows."""
+    why: str = ""
+
+    def describe(self, encoding: str) -> str:
+        return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
+
+
+def uses_max_kernel(encoding: str) -> bool:
+    """Whether `encoding`'s packed weights go through MAX's `qmatmul` on this CPU."""
+    return encoding in PACKED_ENCODINGS and choice(encoding).kernel == "max"
+
+
+@functools.cache
+def choice(encoding: str) -> Choice:
+    """The kernel of a type MAX's `qmatmul` covers: named by `GPT2_MAX_PACKED_KERNEL`,
+    else as measured on this CPU (measured now if it never was)."""
+    named = os.environ.get(KERNEL_ENV, "").strip()
+    if named:
+        if named not in KERNELS:
+            raise ValueError(f"{KERNEL_ENV}={named!r}: give one of {', '.join(KERNELS)}.")
+        return Choice(named, why=f"{KERNEL_ENV}={named}")
+    path = cache_file()
+    known = _read(path)
+    if encoding not in known:
+        logger.info(f"Timing MAX's and {PACKAGE}'s kernels for {encoding} on this CPU (once)")
+        measured = measure(encoding)
+        known = _read(path) | {encoding: asdict(measured)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}")
+        staging.write_text(json.dumps(known, indent=1))
+        os.replace(staging, path)
+    picked = Choice(**known[encoding])
+    logger.info(f"Packed {picked.describe(encoding)}")
+    return picked
+
+
+def cache_file() -> Path:
+    """Where this CPU's choices are kept: named by the CPU's model and features, MAX's
+    version and the package's kernel sources, so any of them changing measures again."""
+    key = "\0".join((cpu_identity(), version("max"), source_hash(kernels.MOJO_PACKAGE)))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return max_cache_dir() / PACKAGE / f"packed-kernels-{digest}.json"
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (`/proc/cpuinfo`), or what Python knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags")
+    seen = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in wanted:
+            seen.setdefault(key.strip(), value.strip())
+    return "|".join(f"{k}={seen.get(k, '')}" for k in wanted)
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def measure(encoding: str, *, rounds: int = 3) -> Choice:
+    """Times both kernels on `LAYERS` MLP pairs of random `encoding` weights and picks
+    one by `REQUEST`'s cost (decode steps plus prefill chunks)."""
+    rng = np.random.default_rng(0)
+    qtype = GGMLQuantizationType[encoding.upper()]
+    pair = [quantize(rng.standard_normal(s, dtype=np.float32), qtype) for s in ((FF, D), (D, FF))]
+    blocks = [pair[i % 2].copy() for i in range(2 * LAYERS)]
+    repack = qmatmul.Repacker({encoding})
+    weights = {"package": blocks, "max": [repack(encoding, b) for b in blocks]}
+    session = InferenceSession(devices=[CPU()])
+    models = {k: session.load(_chain(encoding, k, weights[k])) for k in KERNELS}
+    shapes = {"decode": 1, "prefill": PREFILL_ROWS}
+    inputs = {
+        (k, s): [Buffer.from_numpy(rng.standard_normal((rows, D), dtype=np.float32))]
+        + [Buffer.from_numpy(w) for w in weights[k]]
+        for k in KERNELS for s, rows in shapes.items()
+    }
+    times: dict = {key: [] for key in inputs}
+    for _ in range(rounds):  # alternating, so drift on a shared machine hits both alike
+        for (k, s), buffers in inputs.items():
+            model = models[k]
+            model.execute(*buffers)
+            for _ in range(8 if s == "decode" else 2):
+                start = time.perf_counter()
+                model.execute(*buffers)
+                times[k, s].append(time.perf_counter() - start)
+    ms = {k: {s: statistics.median(times[k, s]) * 1e3 for s in shapes} for k in KERNELS}
+    prompt, generated = REQUEST
+    cost = {k: generated * ms[k]["decode"] + prompt / PREFILL_ROWS * ms[k]["prefill"]
+            for k in KERNELS}
+    kernel = "package" if cost["package"] * MARGIN < cost["max"] else "max"
+    why = (f"measured: a {prompt}+{generated}-token request {cost['max']:.0f} ms on MAX's, "
+           f"{cost['package']:.0f} ms on {PACKAGE}'s; decode step "
+           f"{ms['max']['decode']:.2f} vs {ms['package']['decode']:.2f} ms, "
+           f"{PREFILL_ROWS}-row prefill {ms['max']['prefill']:.1f} vs "
+           f"{ms['package']['prefill']:.1f} ms, {LAYERS} MLPs")
+    return Choice(kernel, ms, why)
+
+
+def _chain(encoding: str, kernel: str, weights: list[np.ndarray]) -> Graph:
+    cpu = DeviceRef.CPU()
+    types = [TensorType(DType.float32, ["rows", D], cpu)]
+    types += [TensorType(DType.uint8, list(w.shape), cpu) for w in weights]
+    with Graph(f"{PACKAGE}_{kernel}_kernel_{encoding}", input_types=types) as graph:
+        x = graph.inputs[0].tensor
+        for w in graph.inputs[1:]:
+            if kernel == "max":
+                x = qmatmul.matmul(encoding, x, w.tensor)
+            else:
+                x = kernels.packed_matmul(encoding, x, w.tensor)
+        graph.output(x)
+    return graph
