@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -36,14 +37,17 @@ from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 SERVE_ENV = {"MAX_SERVE_METRIC_RECORDING_METHOD": "NOOP"}
 """README's recommendation for serving on the CPU: no per-step metric recording."""
 FIGURES = {
-    "output_throughput": "output tok/s",
+    "output_tok_s": "output tok/s",
     "mean_ttft_ms": "TTFT mean ms",
     "mean_tpot_ms": "TPOT mean ms",
     "mean_itl_ms": "ITL mean ms",
     "median_itl_ms": "ITL p50 ms",
     "failed": "failed",
 }
-"""What `max benchmark` writes to its result file that the table shows, and its label."""
+"""The table's figures (`figures`), and their labels."""
+KV_PAGE = 128
+"""MAX's KV page size (tokens): a request holds whole pages, so a cache bounded to
+the tokens in flight without rounding makes MAX preempt requests, recomputing them."""
 
 
 def client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace,
@@ -60,16 +64,29 @@ def client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace
         "--skip-test-prompt", "--result-filename", str(out),
     ]
     subprocess.run(command, check=True, capture_output=True, env=child_env())
-    result = json.loads(out.read_text())
-    figures = {key: float(result.get(key) or 0) for key in FIGURES}
-    figures["failed"] = float(result.get("failed", result.get("num_failed", 0)) or 0)
-    return figures
+    return figures(json.loads(out.read_text()))
+
+
+def figures(result: dict) -> dict[str, float]:
+    """The table's figures from `max benchmark`'s result file: its latency means and
+    medians as they are, the output rate over the requests it counts (it leaves the
+    first and last of a run out, outside the steady state) and their duration."""
+    shown = {key: float(result[key]) for key in FIGURES if key in result}
+    shown["output_tok_s"] = result["total_output_tokens"] / result["duration"]
+    shown["failed"] = float(result["failures"])
+    return shown
+
+
+def request_tokens(args: argparse.Namespace) -> int:
+    """The KV cache one request holds: its prompt, its answer and the token after, in
+    whole pages of `KV_PAGE`."""
+    return math.ceil((args.input_len + args.output_len + 1) / KV_PAGE) * KV_PAGE
 
 
 def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path) -> dict:
     top = max(args.concurrency)
     flags = ("--weight-path", str(gguf), "--max-batch-size", str(top),
-             "--max-batch-total-tokens", str(top * (args.input_len + args.output_len)))
+             "--max-batch-total-tokens", str(top * request_tokens(args)))
     with max_serve(gguf.parent, *flags, log=scratch / f"max-{gguf.stem}.log",
                    env={**SERVE_ENV, **dict(e.split("=", 1) for e in args.serve_env)}) as server:
         return {c: client(server.url, tokenizer, c, args, scratch / f"max-{gguf.stem}-{c}.json")
@@ -79,7 +96,7 @@ def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path
 def run_llama(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path) -> dict:
     top = max(args.concurrency)
     with llama_cpp_tools.server(gguf, THREADS, parallel=top,
-                                ctx_per_slot=args.input_len + args.output_len) as url:
+                                ctx_per_slot=request_tokens(args)) as url:
         return {c: client(url, tokenizer, c, args, scratch / f"llama-{gguf.stem}-{c}.json")
                 for c in args.concurrency}
 
@@ -95,9 +112,8 @@ def table(results: dict, args: argparse.Namespace, cpu: str) -> str:
                 cells = [f"{runs[c][k]:,.1f}" for k in FIGURES]
                 lines.append(f"| {file_type} | {c} | {name} | " + " | ".join(cells) + " |")
             ours, theirs = servers["gpt2-max"][c], servers["llama-server"][c]
-            ratio = [ours[k] / theirs[k] if theirs[k] else float("nan") for k in FIGURES]
-            lines.append(f"| {file_type} | {c} | ratio | "
-                         + " | ".join(f"{r:.2f}x" for r in ratio) + " |")
+            ratio = [f"{ours[k] / theirs[k]:.2f}x" if theirs[k] else "-" for k in FIGURES]
+            lines.append(f"| {file_type} | {c} | ratio | " + " | ".join(ratio) + " |")
     return "\n".join(lines)
 
 
