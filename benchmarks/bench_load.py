@@ -14,7 +14,7 @@ off and a KV cache bounded to the tokens in flight, `llama-server` with a slot p
 request in flight and every core. Reported per server and concurrency: total
 output throughput, mean TTFT and TPOT, mean and p50 inter-token latency (the
 gaps a streaming client sees), failed requests; and the ratios against
-llama-server. A table per run goes to `results/`.
+llama-server. The figures also go to `results/` as JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import llama_cpp_tools
@@ -63,7 +64,8 @@ def client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace
         "--max-concurrency", str(concurrency), "--seed", str(args.seed),
         "--skip-test-prompt", "--result-filename", str(out),
     ]
-    subprocess.run(command, check=True, capture_output=True, env=child_env())
+    # In the scratch folder: the client writes a folder of its own where it runs.
+    subprocess.run(command, check=True, capture_output=True, env=child_env(), cwd=out.parent)
     return figures(json.loads(out.read_text()))
 
 
@@ -146,9 +148,9 @@ def main() -> None:
     report = table(results, args, cpu_model())
     print(report)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"load-{args.preset}.md"
-    out.write_text(report + "\n")
-    print(f"(written to {out}; server logs and client results in {scratch})")
+    out = RESULTS / f"load-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args), "results": results}))
+    print(f"(wrote {out}; server logs and client results in {scratch})")
 
 
 if __name__ == "__main__":
