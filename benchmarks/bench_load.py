@@ -88,7 +88,7 @@ def request_tokens(args: argparse.Namespace) -> int:
 def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path) -> dict:
     top = max(args.concurrency)
     flags = ("--weight-path", str(gguf), "--max-batch-size", str(top),
-             "--max-batch-total-tokens", str(top * request_tokens(args)))
+             "--max-batch-total-tokens", str(top * request_tokens(args)), *args.serve_arg)
     with max_serve(gguf.parent, *flags, log=scratch / f"max-{gguf.stem}.log",
                    env={**SERVE_ENV, **dict(e.split("=", 1) for e in args.serve_env)}) as server:
         return {c: client(server.url, tokenizer, c, args, scratch / f"max-{gguf.stem}-{c}.json")
@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
                         help="add to max serve's environment (repeatable)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                        help="add to max serve's flags (repeatable), e.g. "
+                        "--serve-arg=--enable-in-flight-batching")
     args = parser.parse_args()
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():

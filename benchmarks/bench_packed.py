@@ -25,32 +25,13 @@ import numpy as np
 from bench_start import cpu_model
 from gguf import GGMLQuantizationType
 from max.driver import CPU, Buffer
-from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import DeviceRef, Graph, TensorType
 
-from gpt2_max import kernels
 from gpt2_max.encodings import PACKED_ENCODINGS
 from gpt2_max.layers import kernel_choice, qmatmul
 from gpt2_max.weights.gguf_quants import quantize
 
-D, FF = 768, 3072
-
-
-def chain(encoding: str, weights: list[np.ndarray], kernel: str, rows: int) -> Graph:
-    """The layers through MAX's kernel (`kernel` "max") or the package's with dot `kernel`."""
-    cpu = DeviceRef.CPU()
-    types = [TensorType(DType.float32, [rows, D], cpu)]
-    types += [TensorType(DType.uint8, list(w.shape), cpu) for w in weights]
-    with Graph(f"{encoding}_{kernel}", input_types=types) as graph:
-        x = graph.inputs[0].tensor
-        for w in graph.inputs[1:]:
-            if kernel == "max":
-                x = qmatmul.matmul(encoding, x, w.tensor)
-            else:
-                x = kernels.packed_matmul(encoding, x, w.tensor, dot=kernel)
-        graph.output(x)
-    return graph
+D, FF = kernel_choice.D, kernel_choice.FF
 
 
 def main() -> None:
@@ -77,7 +58,8 @@ def main() -> None:
             repack = qmatmul.Repacker({encoding})
             variants["max"] = [repack(encoding, b) for b in blocks]
         for name, weights in variants.items():
-            model = session.load(chain(encoding, weights, name, args.rows))
+            kernel = "max" if name == "max" else "package"
+            model = session.load(kernel_choice.chain(encoding, kernel, weights, dot=name))
             buffers = [Buffer.from_numpy(np.ones((args.rows, D), np.float32))]
             buffers += [Buffer.from_numpy(np.ascontiguousarray(w)) for w in weights]
             runs[encoding, name] = (model, buffers, nbytes)

@@ -74,8 +74,8 @@ def tokenizer_vocab_size(model_path: str, revision: str | None, trust_remote_cod
     """`len()` of the tokenizer MAX loads for `model_path` (cached: config init runs often).
 
     Raises:
-        CheckpointError: a tokenizer file of the folder `model_path` does not parse,
-            naming it.
+        CheckpointError: the tokenizer files of the folder `model_path` do not load,
+            naming the file (or the files) to restore (`weights.files.tokenizer_files_named`).
     """
     with tokenizer_files_named(model_path):
         return len(

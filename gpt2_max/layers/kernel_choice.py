@@ -143,7 +143,7 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
     repack = qmatmul.Repacker({encoding})
     weights = {"package": blocks, "max": [repack(encoding, b) for b in blocks]}
     session = InferenceSession(devices=[CPU()])
-    models = {k: session.load(_chain(encoding, k, weights[k])) for k in KERNELS}
+    models = {k: session.load(chain(encoding, k, weights[k])) for k in KERNELS}
     shapes = {"decode": 1, "prefill": PREFILL_ROWS}
     inputs = {
         (k, s): [Buffer.from_numpy(rng.standard_normal((rows, D), dtype=np.float32))]
@@ -172,16 +172,19 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
     return Choice(kernel, ms, why)
 
 
-def _chain(encoding: str, kernel: str, weights: list[np.ndarray]) -> Graph:
+def chain(encoding: str, kernel: str, weights: list[np.ndarray], *, dot: str = "auto") -> Graph:
+    """`weights` (`[out, in]` blocks of `encoding`; repacked for "max") multiplied one
+    after another into x (`[rows, in]`, any rows), by `kernel` (the package's in its
+    arithmetic `dot`, `kernels.DOTS`)."""
     cpu = DeviceRef.CPU()
     types = [TensorType(DType.float32, ["rows", D], cpu)]
     types += [TensorType(DType.uint8, list(w.shape), cpu) for w in weights]
-    with Graph(f"{PACKAGE}_{kernel}_kernel_{encoding}", input_types=types) as graph:
+    with Graph(f"{PACKAGE}_{kernel}_{dot}_{encoding}", input_types=types) as graph:
         x = graph.inputs[0].tensor
         for w in graph.inputs[1:]:
             if kernel == "max":
                 x = qmatmul.matmul(encoding, x, w.tensor)
             else:
-                x = kernels.packed_matmul(encoding, x, w.tensor)
+                x = kernels.packed_matmul(encoding, x, w.tensor, dot=dot)
         graph.output(x)
     return graph

@@ -48,14 +48,24 @@ def unreadable_tokenizer_file(folder: Path) -> str | None:
 
 @contextmanager
 def tokenizer_files_named(model_path: str) -> Iterator[None]:
-    """Runs a tokenizer load; where it fails and a tokenizer file of the folder
-    `model_path` does not parse, raises `CheckpointError` naming that file instead."""
+    """Runs a tokenizer load; where it fails in the folder `model_path`, raises
+    `CheckpointError` naming the tokenizer file that does not parse, or, where each
+    parses but transformers cannot build a tokenizer from them (a key renamed, a
+    value of the wrong type: its error names neither file nor field), the files."""
     try:
         yield
     except Exception as error:
         folder = Path(model_path)
-        if folder.is_dir() and (problem := unreadable_tokenizer_file(folder)):
+        if not folder.is_dir():
+            raise
+        if problem := unreadable_tokenizer_file(folder):
             raise CheckpointError(f"{problem}; restore the model's own copy.") from error
+        if present := [name for name in TOKENIZER_FILES if (folder / name).is_file()]:
+            raise CheckpointError(
+                f"the tokenizer files in {folder} ({', '.join(present)}) parse but do not"
+                f" make a tokenizer ({type(error).__name__}: {error}); one of them is"
+                " damaged: restore the model's own copies."
+            ) from error
         raise
 
 

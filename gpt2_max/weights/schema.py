@@ -131,8 +131,12 @@ def match_tensors(
         matched.append((key, name))
     loaded = {name for _, name in matched}
     if missing := [name for name in expected if name not in loaded]:
+        why = ""
+        if missing == ["lm_head.weight"]:
+            why = (" The config sets tie_word_embeddings to false, so the head is a tensor"
+                   " of its own; a checkpoint saved tied loads with the config's default.")
         raise CheckpointError(
             f"{source} is missing {len(missing)} tensor(s), first {missing[0]!r} "
-            f"with shape {expected[missing[0]]}."
+            f"with shape {expected[missing[0]]}.{why}"
         )
     return matched

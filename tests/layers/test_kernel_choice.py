@@ -93,7 +93,7 @@ def test_either_kernel_matches_numpy_on_dequantized_weights(encoding, kernel):
     w = quants.dequantize(blocks, qtype).astype(np.float64)
     held = qmatmul.Repacker({encoding})(encoding, blocks) if kernel == "max" else blocks
     session = InferenceSession(devices=[CPU()])
-    model = session.load(kernel_choice._chain(encoding, kernel, [held]))
+    model = session.load(kernel_choice.chain(encoding, kernel, [held]))
     for m in (1, 5, 64):
         x = rng.standard_normal((m, kernel_choice.D), dtype=np.float32)
         got = model.execute(Buffer.from_numpy(x), Buffer.from_numpy(held))[0].to_numpy()
