@@ -949,7 +949,6 @@ def _dot_u8[fmt: Int](acc: IV, u: QV, x: XV) -> IV:
         comptime if fmt == Q8_0:
             var w = bitcast[DType.int8, 64](u)
             var sx = w.lt(0).select(-x, x)
-            sx = w.eq(0).select(XV(0), sx)
             return acc + _madd_avx2(bitcast[DType.uint8, 64](abs(w)), sx, ones)
         return acc + _madd_avx2(u, x, ones)
     return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", IV](acc, u, x)
