@@ -20,6 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.generate import Generator
 from gpt2_max.model_config import GPT2_VOCAB_SIZE
+from gpt2_max.settings import settings as package_settings
 from gpt2_max.testing.reference import (
     TINY,
     Reference,
@@ -88,6 +89,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+@pytest.fixture(autouse=True)
+def settings_read_afresh() -> Iterator[None]:
+    """The package reads its settings once a process (`gpt2_max.settings`); a test
+    reads them as its own environment has them."""
+    package_settings.cache_clear()
+    yield
+    package_settings.cache_clear()
 
 
 def write_variant(folder: Path, variant: str) -> Path:

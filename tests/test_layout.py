@@ -1,6 +1,6 @@
 """The package's house: every import points down a floor, and the core stands alone.
 
-`FLOORS` is the layout `docs/porting.md` draws, lowest first. A module may
+`FLOORS` is the layout `docs/porting.md` draws, read from it, lowest first. A module may
 import from its own room or a lower floor, never a higher one, so there are no
 loops between rooms, and MAX's serving path (`gpt2_max.arch`) loads neither the
 fast paths' kernels, the in-process generator nor the offline tools.
@@ -9,6 +9,7 @@ fast paths' kernels, the in-process generator nor the offline tools.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,18 +23,26 @@ pytestmark = pytest.mark.tier("unit")
 
 PACKAGE = Path(gpt2_max.__file__).parent
 
-FLOORS: list[set[str]] = [
-    {"names", "encodings", "stop", "inputs", "json_schemas", "max_cache"},
-    {"shims", "kernels", "cpu_runtime"},
-    {"weights", "bursts"},
-    {"model_config"},
-    {"tokenizer", "batch_processor", "memory_planner", "layers"},
-    {"gpt2"},
-    {"model"},
-    {"arch"},
-    {"generate", "tools"},
-    {"testing", "__init__"},
-]
+PORTING = Path(__file__).parents[1] / "docs" / "porting.md"
+
+
+def drawn_floors() -> list[set[str]]:
+    """The rooms of each floor as `docs/porting.md` draws them, lowest first: the rows
+    of its first code block under the header, `floor  rooms  what lives there`, the
+    columns two or more spaces apart and a room's `.py` or `/` dropped."""
+    text = PORTING.read_text()
+    start = text.index(" floor  rooms")
+    rows = text[start: text.index("```", start)].splitlines()[1:]
+    floors: dict[int, set[str]] = {}
+    for row in rows:
+        number, rooms, _ = re.split(r"\s{2,}", row.strip(), maxsplit=2)
+        names = rooms.replace("*", "").split()
+        floors[int(number)] = {n.removesuffix(".py").removesuffix("/") for n in names}
+    assert sorted(floors) == list(range(len(floors))), "floors numbered 0, 1, 2, ..."
+    return [floors[i] for i in range(len(floors))]
+
+
+FLOORS = drawn_floors()
 """Rooms (top-level modules and subpackages of gpt2_max), floor by floor."""
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,49 +17,37 @@ from max.pipelines.context import TextContext
 from max.pipelines.lib import ModelInputs, ModelOutputs
 
 from ..inputs import GPT2Inputs
-from ..names import PACKAGE, env_var
+from ..names import PACKAGE
+from ..settings import CPU_DECODE_STEPS, setting, settings
 from ..shims import internals
 from .context import BurstContext, extra_steps
 
 logger = logging.getLogger("max.pipelines")
 
-ENV = env_var("DECODE_STEPS")
+ENV = setting("decode_steps").variable
 
-DEFAULT_STEPS = 8
-"""Decode steps per pass on the CPU unless `GPT2_MAX_DECODE_STEPS` says otherwise
-(chosen by `benchmarks/bench_bursts.py`)."""
 
-BUDGET_ENV = env_var("BURST_MS")
-
-DEFAULT_BUDGET_MS = 250
+BUDGET_ENV = setting("burst_ms").variable
 """A burst starts no step that would end (if it took as long as the one before)
-past this many milliseconds from the burst's start, unless `GPT2_MAX_BURST_MS`
-says otherwise. What a burst saves is MAX's loop, a fixed cost a pass, so it
-matters where steps are short. A request arriving mid-burst ends the burst at
-the next step (`DecodeBursts.watch_requests`), so the budget is not what such
-a request waits; it bounds how long a stream's client waits between chunks. With
-it, a small model's step bursts to `K` and a large one's (where the loop is a
-small share) a few steps or none."""
-
-
-def _setting(name: str, default: int, what: str) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{name}={raw!r}: give a whole number of {what}, 1 or more.")
-    return int(raw)
+past this many milliseconds from the burst's start. What a burst saves is MAX's
+loop, a fixed cost a pass, so it matters where steps are short. A request arriving
+mid-burst ends the burst at the next step (`DecodeBursts.watch_requests`), so the
+budget is not what such a request waits; it bounds how long a stream's client
+waits between chunks. With it, a small model's step bursts to `K` and a large
+one's (where the loop is a small share) a few steps or none."""
 
 
 def burst_budget_s() -> float:
-    """The burst budget of this process (`DEFAULT_BUDGET_MS` unless set), in seconds."""
-    return _setting(BUDGET_ENV, DEFAULT_BUDGET_MS, "milliseconds") / 1e3
+    """The burst budget of this process, in seconds."""
+    return settings().burst_ms / 1e3
 
 
 def decode_steps(on_host: bool) -> int:
-    """The burst length `K` of this process: the setting, else `DEFAULT_STEPS` on the
+    """The burst length `K` of this process: the setting, else `CPU_DECODE_STEPS` on the
     CPU and 1 (no bursts) on an accelerator, where bursts have not been measured."""
-    return _setting(ENV, DEFAULT_STEPS if on_host else 1, "decode steps")
+    if (steps := settings().decode_steps) is not None:
+        return steps
+    return CPU_DECODE_STEPS if on_host else 1
 
 
 class BurstSampling:

@@ -34,16 +34,13 @@ import os
 import sys
 import time
 
-from ..names import PACKAGE, env_var
+from ..names import PACKAGE
+from ..settings import MAX_NICE, setting, settings
 
 logger = logging.getLogger("max.pipelines")
 
-NICE_ENV = env_var("WORKER_NICE")
+NICE_ENV = setting("worker_nice").variable
 """Nice levels the runtime's workers run below the main thread; 0 leaves them be."""
-
-DEFAULT_NICE = 10
-MAX_NICE = 19
-"""The lowest priority Linux has."""
 
 WORKER_NAME_PREFIX = "\N{FIRE} Thread"
 """What the Mojo runtime names its CPU worker threads (`🔥 Thread0`, ...)."""
@@ -57,18 +54,8 @@ POLLER_SAMPLE_S = 0.02
 
 
 def configured_nice() -> int:
-    """How many nice levels below the main thread the workers go: `GPT2_MAX_WORKER_NICE`,
-    else `DEFAULT_NICE`."""
-    raw = os.environ.get(NICE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_NICE
-    try:
-        nice = int(raw)
-    except ValueError:
-        nice = -1
-    if not 0 <= nice <= MAX_NICE:
-        raise ValueError(f"{NICE_ENV} must be an integer from 0 to {MAX_NICE}, not {raw!r}")
-    return nice
+    """How many nice levels below the main thread the workers go (`GPT2_MAX_WORKER_NICE`)."""
+    return settings().worker_nice
 
 
 def _tasks(pid: int | None) -> str:

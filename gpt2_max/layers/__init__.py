@@ -20,7 +20,6 @@ packed blocks, which no plain layer multiplies.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -32,12 +31,11 @@ from max.nn.attention import MHAMaskVariant
 from max.nn.kv_cache import PagedCacheValues
 
 from ..model_config import GPT2ArchConfig
-from ..names import env_var
+from ..settings import setting, settings
 from ..weights.plan import block_type
 from ..weights.schema import CheckpointError
 
-LAYERS_ENV = env_var("LAYERS")
-"""Set to `plain` to serve the plain layers on the CPU too (the copier's starting point)."""
+LAYERS_ENV = setting("layers").variable
 
 
 class Layers:
@@ -121,7 +119,7 @@ def pad_rows(weight: WeightData, rows: int) -> WeightData:
 
 def uses_fast_layers(on_cpu: bool) -> bool:
     """Whether the package's fast layers serve: on the CPU, unless `LAYERS_ENV` says plain."""
-    return on_cpu and os.environ.get(LAYERS_ENV, "").strip().lower() != "plain"
+    return on_cpu and settings().layers == "fast"
 
 
 def layers_for(config: GPT2ArchConfig) -> Layers:

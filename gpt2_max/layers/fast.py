@@ -11,7 +11,6 @@ cost between ops at every decode step (`docs/performance.md`, "One op a block").
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from max.driver import CPU
@@ -22,14 +21,11 @@ from max.experimental.tensor import Tensor
 from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
-from ..names import env_var
+from ..settings import settings
 from . import Layers
 from .embedding import Embedding
 from .linear import SkinnyLinear, project
 from .quantized import QuantizedLinear, repack
-
-FUSE_BLOCKS_ENV = env_var("FUSE_BLOCKS")
-"""Set to `0` to run every block as its modules' ops (the unfused graph), for comparison."""
 
 
 class FastLayers(Layers):
@@ -37,7 +33,7 @@ class FastLayers(Layers):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.fuse_blocks = os.environ.get(FUSE_BLOCKS_ENV, "").strip() != "0"
+        self.fuse_blocks = settings().fuse_blocks
 
     def block(
         self, block: Any, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor

@@ -44,13 +44,14 @@ from .. import kernels
 from ..encodings import PACKED_ENCODINGS
 from ..kernels.package import source_hash
 from ..max_cache import max_cache_dir
-from ..names import PACKAGE, env_var
+from ..names import PACKAGE
+from ..settings import setting, settings
 from ..weights.gguf_quants import quantize
 from . import qmatmul
 
 logger = logging.getLogger("max.pipelines")
 
-KERNEL_ENV = env_var("PACKED_KERNEL")
+KERNEL_ENV = setting("packed_kernel").variable
 KERNELS = ("max", "package")
 PREFILL_ROWS = 64
 REQUEST = (900, 128)
@@ -83,10 +84,7 @@ def uses_max_kernel(encoding: str) -> bool:
 def choice(encoding: str) -> Choice:
     """The kernel of a type MAX's `qmatmul` covers: named by `GPT2_MAX_PACKED_KERNEL`,
     else as measured on this CPU (measured now if it never was)."""
-    named = os.environ.get(KERNEL_ENV, "").strip()
-    if named:
-        if named not in KERNELS:
-            raise ValueError(f"{KERNEL_ENV}={named!r}: give one of {', '.join(KERNELS)}.")
+    if (named := settings().packed_kernel) is not None:
         return Choice(named, why=f"{KERNEL_ENV}={named}")
     path = cache_file()
     known = _read(path)

@@ -27,21 +27,20 @@ Off unless `GPT2_MAX_FAST_FORWARD=1` is set in the server's environment:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 from max.pipelines.context import TextContext
 
-from ..names import env_var
+from ..settings import setting, settings
 from .internals import run_again
 
-ENV = env_var("FAST_FORWARD")
+ENV = setting("fast_forward").variable
 
 
 def enabled() -> bool:
     """Whether this process's server runs fast-forward tokens (opt-in, see the module doc)."""
-    return os.environ.get(ENV, "") == "1"
+    return settings().fast_forward
 
 
 def only_allowed_token(matcher: object, vocab_size: int) -> int | None:

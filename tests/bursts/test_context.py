@@ -12,7 +12,8 @@ from max.pipelines.modeling.types import msgpack_numpy_decoder, msgpack_numpy_en
 
 from gpt2_max.bursts import BurstContext, FastForwardBurstContext, decode_steps
 from gpt2_max.bursts.context import extra_steps
-from gpt2_max.bursts.model import BUDGET_ENV, DEFAULT_BUDGET_MS, DEFAULT_STEPS, ENV, burst_budget_s
+from gpt2_max.bursts.model import ENV
+from gpt2_max.settings import CPU_DECODE_STEPS, settings
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -97,29 +98,13 @@ def test_a_burst_is_used_once():
     assert list(context.tokens.generated) == [7, 11, 12, 20]
 
 
-def test_burst_budget_setting(monkeypatch):
-    monkeypatch.delenv(BUDGET_ENV, raising=False)
-    assert burst_budget_s() == DEFAULT_BUDGET_MS / 1e3
-    monkeypatch.setenv(BUDGET_ENV, "400")
-    assert burst_budget_s() == 0.4
-    for bad in ("0", "1.5", "fast"):
-        monkeypatch.setenv(BUDGET_ENV, bad)
-        with pytest.raises(ValueError, match=BUDGET_ENV):
-            burst_budget_s()
-
-
-def test_decode_steps_setting(monkeypatch):
+def test_decode_steps_default_to_bursts_on_the_cpu_only(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    assert decode_steps(on_host=True) == DEFAULT_STEPS
+    assert decode_steps(on_host=True) == CPU_DECODE_STEPS > 1
     assert decode_steps(on_host=False) == 1
-    monkeypatch.setenv(ENV, "1")
-    assert decode_steps(on_host=True) == 1
     monkeypatch.setenv(ENV, "4")
-    assert decode_steps(on_host=False) == 4
-    for bad in ("0", "-2", "four"):
-        monkeypatch.setenv(ENV, bad)
-        with pytest.raises(ValueError, match=ENV):
-            decode_steps(on_host=True)
+    settings.cache_clear()
+    assert decode_steps(on_host=False) == decode_steps(on_host=True) == 4
 
 
 @pytest.mark.parametrize("cls", [BurstContext, FastForwardBurstContext])

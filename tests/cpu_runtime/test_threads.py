@@ -14,31 +14,20 @@ import psutil
 import pytest
 
 from gpt2_max.cpu_runtime.threads import (
-    DEFAULT_NICE,
     MAX_NICE,
     NICE_ENV,
-    configured_nice,
     engine_pollers,
     idle_engine_poller,
     thread_ids,
     worker_threads,
     yield_to_main_thread,
 )
+from gpt2_max.settings import Settings
 from gpt2_max.testing.server import child_env
 
 pytestmark = pytest.mark.tier("unit")
 
-
-def test_the_nice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(NICE_ENV, raising=False)
-    assert configured_nice() == DEFAULT_NICE
-    for value, nice in (("0", 0), (" 5 ", 5), ("19", 19)):
-        monkeypatch.setenv(NICE_ENV, value)
-        assert configured_nice() == nice
-    for bad in ("20", "-1", "ten", "2.5"):
-        monkeypatch.setenv(NICE_ENV, bad)
-        with pytest.raises(ValueError, match=NICE_ENV):
-            configured_nice()
+DEFAULT_NICE = Settings.read({}).worker_nice
 
 
 def _nice(pid: int, tid: int) -> int:

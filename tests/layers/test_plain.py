@@ -21,6 +21,7 @@ from max.pipelines import AutoModel
 
 from gpt2_max.layers import LAYERS_ENV, Layers, layers_for
 from gpt2_max.model_config import HEAD_ROW_MULTIPLE, GPT2ArchConfig
+from gpt2_max.settings import settings
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 from gpt2_max.weights.schema import CheckpointError
 from tests.test_model_config import max_config
@@ -78,6 +79,7 @@ def test_the_setting_picks_plain_layers_on_the_cpu(monkeypatch):
     cpu = max_config(devices=[DeviceRef.CPU()])
     assert type(layers_for(cpu)).__name__ == "FastLayers"
     monkeypatch.setenv(LAYERS_ENV, "plain")
+    settings.cache_clear()
     assert type(layers_for(cpu)) is Layers
 
 
