@@ -1,13 +1,9 @@
-"""Registers GPT-2 with MAX under the checkpoint's architecture name.
-
-Registering also installs the MAX-release shims its requests need (`shims`).
-"""
+"""Registers GPT-2 with MAX under the checkpoint's architecture name."""
 
 from max.graph.weights import WeightsFormat
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.modeling.types import PipelineTask
 
-from . import shims
 from .batch_processor import GPT2BatchProcessor
 from .bursts import BurstContext, FastForwardBurstContext
 from .memory_planner import TokenBudgetMemoryPlanner
@@ -16,9 +12,6 @@ from .model_config import GPT2ArchConfig
 from .shims import fast_forward
 from .tokenizer import GPT2TextTokenizer
 from .weights import gguf, safetensors
-from .weights.files import check_complete
-
-shims.install(GPT2TextTokenizer, check_complete)
 
 gpt2_arch = SupportedArchitecture(
     name="GPT2LMHeadModel",

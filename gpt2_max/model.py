@@ -25,6 +25,7 @@ from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
 
+from . import shims
 from .batch_processor import GPT2BatchProcessor
 from .bursts import DecodeBursts
 from .cpu_runtime import CPURuntimePolicy
@@ -34,11 +35,18 @@ from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .names import PACKAGE
 from .shims.log_probabilities import LazyLogProbabilities
+from .tokenizer import GPT2TextTokenizer
+from .weights.files import check_complete
 from .weights.mapping import release
 from .weights.plan import WeightPlan
 
 logger = logging.getLogger("max.pipelines")
 """MAX's pipeline logger: what `max serve` prints."""
+
+# The one place the shims are installed: both of `max serve`'s processes import this
+# module (the API process through `arch`; the model worker unpickles the pipeline
+# model's class and never imports `arch`), before MAX builds what they patch.
+shims.install(GPT2TextTokenizer, check_complete)
 
 FIRST_COMPILE_CORE_MINUTES = 4
 """A first start's graph and sampler compiles on the CPU, in minutes times CPU cores

@@ -1,5 +1,6 @@
 """The template proved: the core, copied under another package name without the
-optional rooms, serves a checkpoint exactly.
+optional rooms, serves a checkpoint exactly, even on a MAX release its shims were
+not checked against.
 
 A copier renames the folder and, to start, drops the fast paths, the generator, the
 offline tools and the test harness (`docs/porting.md`). This test does exactly that
@@ -23,6 +24,7 @@ from gpt2_max.names import PACKAGE
 from gpt2_max.testing.load import GREEDY
 from gpt2_max.testing.reference import random_prompt
 from gpt2_max.testing.server import MODEL_NAME, max_serve
+from tests.shims.test_release import OTHER_RELEASE, WARNING, fake_max_release
 
 pytestmark = pytest.mark.tier("serve")
 
@@ -75,10 +77,11 @@ def test_the_core_copied_under_another_name_serves_exactly(
     copy = copy_core(tmp_path / "src")
     spelled = [hit for path in copy.rglob("*.py") for hit in spells_package(path)]
     assert spelled == [], f"code that spells the package name: {spelled}"
+    # And on a MAX release its shims were not checked against, as a copy meets the
+    # next MAX: it serves on MAX's own behaviour, saying once which features are off.
+    path = [str(fake_max_release(tmp_path / "release")), str(copy.parent)]
     env = {
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(copy.parent), os.environ.get("PYTHONPATH")])
-        ),
+        "PYTHONPATH": os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p]),
         f"{COPY.upper()}_LAYERS": "plain",
     }
     with max_serve(
@@ -92,3 +95,5 @@ def test_the_core_copied_under_another_name_serves_exactly(
                     model=MODEL_NAME, prompt=prompt, max_tokens=8, **GREEDY
                 ).choices[0]
                 assert choice.model_extra["token_ids"] == gpt2_max_reference.greedy(prompt, 8)
+    log = (tmp_path / "server.log").read_text()
+    assert f"{COPY}: MAX {OTHER_RELEASE} {WARNING}" in log

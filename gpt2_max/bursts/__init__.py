@@ -23,14 +23,7 @@ batches run one step a pass. `GPT2_MAX_DECODE_STEPS` sets `K` (1 turns bursts
 off), `GPT2_MAX_BURST_MS` the budget.
 """
 
-from ..shims import shared_sampler, waiting_requests
 from .context import BurstContext, FastForwardBurstContext
 from .model import DecodeBursts, decode_steps
-
-# The model worker imports the model's module (this package with it) to build the
-# pipeline, and never `gpt2_max.arch`: the hand-overs of the sampler and of the
-# scheduler's request queue are installed here.
-shared_sampler.install()
-waiting_requests.install()
 
 __all__ = ["BurstContext", "DecodeBursts", "FastForwardBurstContext", "decode_steps"]

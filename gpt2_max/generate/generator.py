@@ -30,7 +30,7 @@ from max.serve.telemetry.gc_utils import freeze_gc_heap
 
 from .. import arch  # noqa: F401  (installs the shims before AutoModel builds its config)
 from ..names import PACKAGE
-from ..shims.internals import ROW_SEED_STRIDE
+from ..shims.internals import row_seed_stride
 from .requests import Options, Requests
 from .results import Completion
 from .stepping import StepRecorder, prefill, run
@@ -166,7 +166,7 @@ class Generator:
             [prompt] * count,
             max_new_tokens,
             base,
-            seeds=[base.seed + i * ROW_SEED_STRIDE for i in range(count)],
+            seeds=[base.seed + i * row_seed_stride() for i in range(count)],
         )
         # Only full pages are shared, so a prompt within one page is not worth a prefill.
         if count > 1 and rows[0].context.tokens.prompt_length > self.page_size:

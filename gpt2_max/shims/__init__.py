@@ -26,54 +26,85 @@ and why, so nothing else in the package imports a private MAX name:
   architecture's context type.
 - `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
   first use instead of at every start.
-- `shared_sampler`: the text pipeline's token sampler handed to the pipeline
-  model, whose decode bursts (`gpt2_max.bursts`) sample with it. Installed by
-  `gpt2_max.bursts` on import, not by `install`: MAX's model worker builds the
-  pipeline from a pickled factory, importing the model's module but never
-  `gpt2_max.arch`.
+- `shared_sampler`: the text pipeline's token sampler handed to a pipeline
+  model that asks for it (`adopt_sampler`), whose decode bursts
+  (`gpt2_max.bursts`) sample with it.
 - `waiting_requests`: whether a request waits in MAX's scheduler's queue, told
-  to the pipeline model, whose decode bursts end when one does. Installed
-  with `shared_sampler`, for the same reason.
-  Both hook the `__init__` of the MAX class that holds what they hand over,
-  one way (`patching.after_init`).
+  to a pipeline model that asks (`watch_requests`), whose decode bursts end when
+  one does. Both hook the `__init__` of the MAX class that holds what they hand
+  over, one way (`patching.after_init`).
 
 (How MAX's CPU threads are scheduled is a speed policy, not a reach past MAX's
 API: `gpt2_max.cpu_runtime`.)
 
-`WRITTEN_FOR` names the MAX releases these were checked against;
-`tests/shims/` assert that every leaned-on name and behaviour is still there,
-and that the installed MAX is one of those releases, so a new MAX release fails
-those tests by name instead of failing a user at serve time.
+One gate for all of them (`release.CHECKED_AGAINST`): `install` puts every
+shim in place on the MAX releases they were checked against and none on any
+other, where the package still imports and serves on MAX's own behaviour, with
+the features the shims carry off and named in one warning. `tests/shims/` assert
+that every leaned-on name and behaviour is still there, and that the installed
+MAX is one of those releases, so a new MAX release fails those tests by name
+before it can quietly change what a user gets.
 
-`install` runs when the architecture is registered (`gpt2_max.arch`), in every
-process that imports it: the API process, whose serving layer the stop patch
-changes, and the model worker.
+`install` is called once, by `gpt2_max.model`, the module both of `max serve`'s
+processes import (the API process through `gpt2_max.arch`; the model worker
+unpickles the pipeline model's class, and never imports the architecture).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from . import completion_prompts, stop_strings, structured_output, weight_files
+from ..names import PACKAGE
+from . import (
+    completion_prompts,
+    release,
+    shared_sampler,
+    stop_strings,
+    structured_output,
+    waiting_requests,
+    weight_files,
+)
 
-WRITTEN_FOR = ("26.7.",)
-"""MAX releases (version prefixes) whose internals this package was checked against."""
+logger = logging.getLogger("max.pipelines")
+
+CARRIED = (
+    "exact stop strings (MAX's own matching applies)",
+    "structured output on the CPU",
+    "400 for an empty completions prompt",
+    "named damaged weight files",
+    "decode bursts",
+    "fast-forward tokens",
+)
+"""What a user loses on a MAX release the shims were not checked against."""
 
 
-def max_version() -> str:
-    return importlib.metadata.version("max")
+@functools.cache
+def _warn_unchecked(version: str) -> None:
+    logger.warning(
+        f"{PACKAGE}: MAX {version} is not a release its shims were checked against "
+        f"({', '.join(release.CHECKED_AGAINST)}); serving on MAX's own behaviour, "
+        f"without: {'; '.join(CARRIED)}."
+    )
 
 
-def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], None]) -> None:
-    """Installs the patches `tokenizer_type`'s requests need on this MAX release;
+def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], None]) -> bool:
+    """Installs every shim for `tokenizer_type`'s requests on a checked MAX release and
+    returns True; on another release installs none, warns once, returns False.
     `check_weight_files` raises naming a damaged weight file (`weight_files`).
 
     Idempotent, and safe for several architectures (or copies of this package)
     in one process: each adds its own tokenizer type.
     """
+    if not release.checked():
+        _warn_unchecked(release.max_version())
+        return False
     completion_prompts.install()
     weight_files.install(tokenizer_type, check_weight_files)
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)
+    shared_sampler.install()
+    waiting_requests.install()
+    return True

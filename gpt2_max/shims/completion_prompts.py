@@ -10,24 +10,15 @@ such a completions body is refused there with `InputError`, which the route
 answers 400 with its message. Every other body, and every other route, is
 parsed as before.
 
-Installed by `shims.install` on the releases in `NEEDED_FOR`, in the API process.
+Installed by `shims.install`; it acts in the API process.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
 from max.pipelines.context.exceptions import InputError
 from max.serve.router import openai_routes
-
-NEEDED_FOR = ("26.7.",)
-"""MAX releases (version prefixes) whose completions route answers these bodies 500."""
-
-
-def needed(max_version: str | None = None) -> bool:
-    """Whether this MAX release needs the check."""
-    return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
 
 
 def check(body: Any) -> None:
@@ -46,8 +37,6 @@ def check(body: Any) -> None:
 
 def install() -> None:
     """Wraps the route's body parser with `check` for completions bodies (once)."""
-    if not needed():
-        return
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_prompts", False):
         return

@@ -33,14 +33,16 @@ import numpy as np
 from max.pipelines.context import TextContext
 
 from ..settings import setting, settings
+from . import release
 from .internals import run_again
 
 ENV = setting("fast_forward").variable
 
 
 def enabled() -> bool:
-    """Whether this process's server runs fast-forward tokens (opt-in, see the module doc)."""
-    return settings().fast_forward
+    """Whether this process's server runs fast-forward tokens (opt-in, see the module
+    doc), on the MAX releases the shims were checked against (`release`)."""
+    return settings().fast_forward and release.checked()
 
 
 def only_allowed_token(matcher: object, vocab_size: int) -> int | None:

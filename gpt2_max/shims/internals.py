@@ -2,7 +2,9 @@
 
 Every function here is a one-line reach into MAX 26.7 that has no public
 equivalent; `tests/shims/test_internals.py` checks each still exists with the
-meaning used here.
+meaning used here. Each imports its private name when called, never when this
+module loads, so a MAX release that moved one fails the feature that reads it,
+not the package's import.
 """
 
 from __future__ import annotations
@@ -16,25 +18,20 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights
 from max.pipelines.context import TokenBuffer
 from max.pipelines.lib import MAXModelConfig
-from max.pipelines.lib.config.model_config import _select_quantization_encoding
-from max.pipelines.lib.generate import _ROW_SEED_STRIDE
-from max.pipelines.lib.memory_estimation import MemoryEstimator
-from max.pipelines.lib.pipeline_variants.structured_output_backend import make_grammar_backend
-from max.pipelines.sampling.sampling_logits_processor import (
-    SamplerInputs,
-    _build_min_tokens_masks,
-    _sample_logits,
-)
-from max.pipelines.sampling.seeds import request_row_seed
-from max.serve.worker_interface._zmq_queue import ZmqPullSocket
 
-ROW_SEED_STRIDE: int = _ROW_SEED_STRIDE
-"""MAX's `generate` seeds row `i` of a batch with `seed + i * ROW_SEED_STRIDE`;
-the in-process branches use the same rule, so a seed means the same thing."""
+
+def row_seed_stride() -> int:
+    """MAX's `generate` seeds row `i` of a batch with `seed + i * row_seed_stride()`;
+    the in-process branches use the same rule, so a seed means the same thing."""
+    from max.pipelines.lib.generate import _ROW_SEED_STRIDE
+
+    return _ROW_SEED_STRIDE
 
 
 def free_memory(devices: list[Device]) -> int:
     """Free memory on `devices` as MAX's memory estimator sees it (the host's, on the CPU)."""
+    from max.pipelines.lib.memory_estimation import MemoryEstimator
+
     return MemoryEstimator._free_memory(devices)
 
 
@@ -45,6 +42,8 @@ def planner_config(planner: Any) -> Any:
 
 def quantization_encoding(model_config: MAXModelConfig, default: str) -> str:
     """The encoding MAX resolves for `model_config` (from flags, file names, the default)."""
+    from max.pipelines.lib.config.model_config import _select_quantization_encoding
+
     return _select_quantization_encoding(model_config, default)
 
 
@@ -90,6 +89,10 @@ def xgrammar_backend(tokenizer: Any) -> Any:
     factory with the same vocabulary, stop tokens and compact JSON, so a
     schema compiled by it masks exactly what the server's masks.
     """
+    from max.pipelines.lib.pipeline_variants.structured_output_backend import (
+        make_grammar_backend,
+    )
+
     return make_grammar_backend(
         "xgrammar",
         tokenizer.delegate,
@@ -120,6 +123,8 @@ def request_waiting(queue: Any) -> Callable[[], bool] | None:
     """A probe of whether a request waits in the model worker's request `queue` (a
     ZMQ pull socket): a zero-timeout poll of its socket, which takes nothing from
     it. `None` for a queue of another kind."""
+    from max.serve.worker_interface._zmq_queue import ZmqPullSocket
+
     if not isinstance(queue, ZmqPullSocket):
         return None
     socket = queue._socket
@@ -135,22 +140,30 @@ def pipeline_sampler(pipeline: Any) -> tuple[Any, Any, Device]:
 def sampler_inputs(contexts: Any, device: Device) -> Any:
     """The per-row sampling tensors MAX's `FusedSamplingProcessor` gives its sampler
     (temperature, top-k, top-p, min-p, each row's seed for its next token)."""
+    from max.pipelines.sampling.sampling_logits_processor import SamplerInputs
+
     return SamplerInputs.create(contexts, device)
 
 
 def min_tokens_masks(contexts: Any, steps: int, device: Device, enabled: bool) -> Any:
     """MAX's end-of-text masks for `steps` steps from each row's current position
     (`None` when the sampler was built without `min_tokens`)."""
+    from max.pipelines.sampling.sampling_logits_processor import _build_min_tokens_masks
+
     return _build_min_tokens_masks(contexts, steps, device, enabled)
 
 
 def sample_logits(sampler: Any, logits: Any, generated: Any, inputs: Any, mask: Any) -> Any:
     """One call of MAX's sampler graph as its `FusedSamplingProcessor` makes it:
     (new tokens, generated tokens so far, next seed)."""
+    from max.pipelines.sampling.sampling_logits_processor import _sample_logits
+
     return _sample_logits(sampler, logits, generated, inputs, min_tokens_mask=mask)
 
 
 def row_seed(context: Any) -> int:
     """The Philox key MAX's sampler gives `context`'s row: its seed advanced by the
     number of tokens it holds, so the key of each later token is this plus one."""
+    from max.pipelines.sampling.seeds import request_row_seed
+
     return request_row_seed(context)

@@ -19,7 +19,6 @@ from typing import Any
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 from max.pipelines.lib.log_probabilities import (
-    _LOGPROBS_HEAP_LEVELS,
     LogProbabilitiesMixin,
     log_probabilities_ragged_graph,
 )
@@ -37,6 +36,8 @@ class LazyLogProbabilities(LogProbabilitiesMixin):
 
     @functools.cached_property
     def _logprobs_model(self) -> Model:
+        from max.pipelines.lib.log_probabilities import _LOGPROBS_HEAP_LEVELS
+
         graph = log_probabilities_ragged_graph(
             DeviceRef.from_device(self._logprobs_device), levels=_LOGPROBS_HEAP_LEVELS
         )

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
 
-from .internals import pipeline_sampler
+from .internals import pipeline_model, pipeline_sampler
 from .patching import after_init
 
 
 def _hand_over(pipeline: TextGenerationPipeline) -> None:
+    # Only a model that asks: no other pipeline's private state is read.
+    if getattr(pipeline_model(pipeline), "adopt_sampler", None) is None:
+        return
     model, sampler, device = pipeline_sampler(pipeline)
-    if (adopt := getattr(model, "adopt_sampler", None)) is not None:
-        adopt(sampler, device)
+    model.adopt_sampler(sampler, device)
 
 
 def install() -> None:

@@ -27,13 +27,12 @@ several. Without a match the held-back text goes out with the last
 chunk, whose finish reason stands.
 
 It wraps only pipelines whose tokenizer is gpt2-max's, and only on the MAX
-releases in `NEEDED_FOR`; on any other release MAX's own handling is left as
-it is.
+releases `shims.release` names; on any other release MAX's own handling is left
+as it is.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any
@@ -42,15 +41,6 @@ from max.pipelines.context import GenerationStatus
 from max.serve.pipelines.llm import TokenGeneratorOutput, TokenGeneratorPipeline
 
 from ..stop import StopScanner, first_stop
-
-NEEDED_FOR = ("26.7.",)
-"""MAX releases (version prefixes) whose serving layer does not cut at stop strings exactly."""
-
-
-def needed(max_version: str | None = None) -> bool:
-    """Whether this MAX release needs the stop strings handled here."""
-    return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
-
 
 UNFINISHED = "\ufffd"
 """What the tokenizer's decode shows for bytes that do not finish a character."""
@@ -164,11 +154,9 @@ that installed the patch; a process may register several)."""
 def install(tokenizer_type: type) -> None:
     """Routes stop strings of requests to `tokenizer_type`'s pipelines through `cut_at_stops`.
 
-    The first call patches `TokenGeneratorPipeline.next_token_chunk` (on the
-    releases in `NEEDED_FOR`); every call adds its tokenizer type.
+    The first call patches `TokenGeneratorPipeline.next_token_chunk`; every call
+    adds its tokenizer type.
     """
-    if not needed():
-        return
     if tokenizer_type not in _TOKENIZER_TYPES:
         _TOKENIZER_TYPES.append(tokenizer_type)
     original = TokenGeneratorPipeline.next_token_chunk

@@ -15,7 +15,7 @@ one of the types installed here, it builds the config again with the flag
 off (every other resolution and validation runs unchanged) and returns that
 config with the flag back on. Any other error, architecture or device goes
 through untouched, and on a GPU the refusal never fires, so MAX's behaviour
-there is MAX's. Only releases in `NEEDED_FOR` are patched.
+there is MAX's.
 
 `max serve` registers `--custom-architectures` before it builds its config, so
 the patch is in place for that call. `max generate` and `AutoModel` import
@@ -25,26 +25,17 @@ still MAX's own unless `gpt2_max.arch` was imported before.
 
 from __future__ import annotations
 
-import importlib.metadata
 from functools import wraps
 from typing import Any
 
 from max.pipelines.lib import PIPELINE_REGISTRY, PipelineConfig
 from max.pipelines.modeling.types import PipelineTask
 
-NEEDED_FOR = ("26.7.",)
-"""MAX releases (version prefixes) that refuse structured output on the CPU for every model."""
-
 REFUSAL = "enable_structured_output is not currently supported on CPU."
 """The message of MAX's refusal, matched exactly: a changed check is not lifted."""
 
 _TOKENIZER_TYPES: list[type] = []
 """Tokenizer types whose architectures may serve structured output on the CPU."""
-
-
-def needed(max_version: str | None = None) -> bool:
-    """Whether this MAX release refuses structured output on the CPU."""
-    return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
 
 
 def is_ours(args: Any) -> bool:
@@ -65,11 +56,8 @@ def _with_structured_output(model: Any, enabled: bool) -> Any:
 def install(tokenizer_type: type) -> None:
     """Lets `tokenizer_type`'s architectures enable structured output on the CPU.
 
-    The first call wraps `PipelineConfig.from_args` (on the releases in
-    `NEEDED_FOR`); every call adds its tokenizer type.
+    The first call wraps `PipelineConfig.from_args`; every call adds its tokenizer type.
     """
-    if not needed():
-        return
     if tokenizer_type not in _TOKENIZER_TYPES:
         _TOKENIZER_TYPES.append(tokenizer_type)
     original = PipelineConfig.__dict__["from_args"].__func__

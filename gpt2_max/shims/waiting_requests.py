@@ -20,9 +20,12 @@ from .patching import after_init
 
 
 def _hand_over(scheduler: TokenGenerationScheduler) -> None:
+    # Only a model that asks: no other scheduler's queue is looked at.
     watch = getattr(pipeline_model(scheduler.pipeline), "watch_requests", None)
+    if watch is None:
+        return
     queued = request_waiting(scheduler.request_queue)
-    if watch is None or queued is None:
+    if queued is None:
         return
     cap = scheduler.max_pending_requests
     if cap is None:

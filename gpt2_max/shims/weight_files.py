@@ -14,28 +14,19 @@ check to that check, before MAX's own resolution reads them. Other models, and
 checkpoints on the hub (which MAX reads through the hub's metadata), are left to
 MAX.
 
-Installed by `shims.install` on the releases in `NEEDED_FOR`.
+Installed by `shims.install`.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from max.pipelines.lib.config.config import PipelineConfig
 
-NEEDED_FOR = ("26.7.",)
-"""MAX releases (version prefixes) that refuse a damaged header without naming it."""
-
 _CHECKS: dict[type, Callable[[list[Path]], None]] = {}
 """Per tokenizer type of an architecture, the check its weight files get here."""
-
-
-def needed(max_version: str | None = None) -> bool:
-    """Whether this MAX release needs the check."""
-    return (max_version or importlib.metadata.version("max")).startswith(NEEDED_FOR)
 
 
 def local_weight_files(model: Any) -> list[Path]:
@@ -53,8 +44,6 @@ def local_weight_files(model: Any) -> list[Path]:
 def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
     """Runs `check` (which raises naming what is wrong) on the local weight files of
     `tokenizer_type`'s models before MAX resolves them (patched once)."""
-    if not needed():
-        return
     _CHECKS[tokenizer_type] = check
     original = PipelineConfig._model_with_resolved_weights
     if getattr(original, "checks_weight_files", False):

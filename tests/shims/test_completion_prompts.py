@@ -43,4 +43,3 @@ def test_the_parser_it_wraps_is_there_and_wrapped_once():
     assert wrapped.checks_prompts
     completion_prompts.install()
     assert openai_routes._parse_openai_request_body is wrapped
-    assert completion_prompts.needed("26.7.0") and not completion_prompts.needed("26.8.0")

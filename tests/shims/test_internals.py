@@ -20,14 +20,15 @@ from max.pipelines.context import TextContext, TokenBuffer
 from max.pipelines.lib import generate as max_generate
 
 from gpt2_max import shims
-from gpt2_max.shims import internals
+from gpt2_max.shims import internals, release
 
 pytestmark = pytest.mark.tier("unit")
 
 
 def test_the_installed_max_is_a_release_the_shims_were_checked_against() -> None:
-    """A new MAX release: re-check every shim here, then add it to `WRITTEN_FOR`."""
-    assert shims.max_version().startswith(shims.WRITTEN_FOR), shims.max_version()
+    """A new MAX release: re-check every shim here, then add it to `CHECKED_AGAINST`."""
+    assert release.checked(), release.max_version()
+    assert release.checked("26.7.0") and not release.checked("26.8.0")
 
 
 def test_free_memory_reads_the_hosts_memory_on_the_cpu() -> None:
@@ -46,12 +47,14 @@ def test_the_memory_planner_keeps_its_arch_config() -> None:
 
 
 def test_the_encoding_resolver_takes_the_config_and_the_default() -> None:
-    parameters = inspect.signature(internals._select_quantization_encoding).parameters
+    from max.pipelines.lib.config.model_config import _select_quantization_encoding
+
+    parameters = inspect.signature(_select_quantization_encoding).parameters
     assert list(parameters) == ["config", "default_encoding"]
 
 
 def test_generate_seeds_rows_with_the_stride() -> None:
-    assert internals.ROW_SEED_STRIDE == 1 << 32
+    assert internals.row_seed_stride() == 1 << 32
     assert "row * _ROW_SEED_STRIDE" in inspect.getsource(max_generate)
 
 

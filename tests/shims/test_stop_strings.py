@@ -10,7 +10,7 @@ from max.serve.pipelines.incremental_detokenizer import create_buffered_detokeni
 from max.serve.pipelines.llm import TokenGeneratorOutput
 from transformers import AutoTokenizer
 
-from gpt2_max.shims.stop_strings import cut_at_stops, needed
+from gpt2_max.shims.stop_strings import cut_at_stops
 from gpt2_max.stop import StopScanner
 from gpt2_max.testing.reference import stopped_text
 from gpt2_max.tokenizer import TOKENIZER_DIR
@@ -55,11 +55,6 @@ def test_chunks_are_cut_at_the_first_stop_and_nothing_after_it_is_read() -> None
             assert cancelled == (complete < len(pieces))
         else:
             assert (status, read, cancelled) == (GenerationStatus.MAXIMUM_LENGTH, 8, 0)
-
-
-def test_only_max_releases_that_need_it_are_patched() -> None:
-    assert needed("26.7.0")
-    assert not needed("26.8.0")
 
 
 def cut_ids(groups: list[list[int]], stops: list[str], alphabet: str) -> tuple[list[int], int, str]:

@@ -1,7 +1,7 @@
 """The CPU structured-output shim lifts MAX's refusal for gpt2-max's pipelines only.
 
 These fail on a MAX release that changed the refusal (its message, where it
-is raised, or whether it is raised at all), so `NEEDED_FOR` and the shim are
+is raised, or whether it is raised at all), so `release.CHECKED_AGAINST` and the shim are
 re-checked then, rather than the shim silently lifting a different check.
 """
 
@@ -92,7 +92,5 @@ def test_xgrammar_is_the_only_backend_max_offers() -> None:
         make_grammar_backend("llguidance", tokenizer, tokenizer.vocab_size)
 
 
-def test_only_max_releases_that_need_it_are_patched() -> None:
-    assert structured_output.needed("26.7.0")
-    assert not structured_output.needed("26.8.0")
+def test_the_architecture_has_lifted_the_refusal() -> None:
     assert PipelineConfig.from_args.__func__.lifts_cpu_refusal
