@@ -1,15 +1,15 @@
 """Registers GPT-2 with MAX under the checkpoint's architecture name."""
 
 from max.graph.weights import WeightsFormat
+from max.pipelines.context import TextContext
 from max.pipelines.lib import SupportedArchitecture
 from max.pipelines.modeling.types import PipelineTask
 
+from . import extensions
 from .batch_processor import GPT2BatchProcessor
-from .bursts import BurstContext, FastForwardBurstContext
 from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
 from .model_config import GPT2ArchConfig
-from .shims import fast_forward
 from .tokenizer import GPT2TextTokenizer
 from .weights import gguf, safetensors
 
@@ -26,7 +26,7 @@ gpt2_arch = SupportedArchitecture(
     supported_encodings=GPT2ArchConfig.SUPPORTED_ENCODINGS,
     pipeline_model=GPT2PipelineModel,
     tokenizer=GPT2TextTokenizer,
-    context_type=FastForwardBurstContext if fast_forward.enabled() else BurstContext,
+    context_type=extensions.context_type(TextContext),
     default_weights_format=WeightsFormat.safetensors,
     weight_adapters={
         WeightsFormat.safetensors: safetensors.convert_safetensor_state_dict,

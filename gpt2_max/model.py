@@ -7,6 +7,9 @@ layers prepare the weights they read (`layers.layers_for`), builds the module
 under `F.lazy()` (so no placeholder weights are ever allocated), compiles it
 once with symbolic batch and sequence dimensions, and runs it every step on
 the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
+The optional rooms that change how it loads and steps (decode bursts, the runtime
+policy) plug in through one seam, `extensions`: the model calls their hooks around
+its own load and each execute, and imports none of them.
 MAX's `LogProbabilitiesMixin` adds log-probabilities from the logits the graph
 returns, its graph compiled by the first request that asks for them
 (`shims.log_probabilities`) rather than at every start.
@@ -15,6 +18,7 @@ returns, its graph compiled by the first request that asks for them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -23,12 +27,10 @@ from typing import Any, ClassVar
 
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
-from max.pipelines.lib import ModuleV3PipelineModelWithKVCache
+from max.pipelines.lib import ModelInputs, ModelOutputs, ModuleV3PipelineModelWithKVCache
 
-from . import shims
+from . import extensions, shims
 from .batch_processor import GPT2BatchProcessor
-from .bursts import DecodeBursts
-from .cpu_runtime import CPURuntimePolicy
 from .gpt2 import GPT2
 from .layers import layers_for, uses_fast_layers
 from .max_cache import max_cache_dir
@@ -71,31 +73,56 @@ def announce_compile(encoding: object, on_host: bool = True) -> None:
     )
 
 
-class GPT2PipelineModel(
-    DecodeBursts,
-    CPURuntimePolicy, LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]
-):
+class GPT2PipelineModel(LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching.
 
     `_create_model_config`, `_prepare_state_dict` and `_instantiate_module` are what
-    MAX asks of a ModuleV3 architecture. The bases before MAX's add the package's
-    speed policies (several decode steps a pass, `bursts`; MAX's CPU threads and
-    `execute_raw`, `cpu_runtime`) and log-probabilities compiled on first use
-    (`shims.log_probabilities`); each can be dropped on its own.
+    MAX asks of a ModuleV3 architecture. `extensions` holds the optional rooms'
+    hooks (`gpt2_max.extensions`), which `load_model` and `execute` call around
+    MAX's own; log-probabilities are MAX's, compiled on first use
+    (`shims.log_probabilities`).
     """
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
     batch_processor_cls: ClassVar[type[GPT2BatchProcessor]] = GPT2BatchProcessor
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before MAX's `__init__`, which loads the model.
+        self.extensions = extensions.extensions_for(self)
+        self._step: Callable[[ModelInputs], ModelOutputs] = super().execute
+        super().__init__(*args, **kwargs)
+
     def load_model(self) -> Callable[..., Any]:
-        """Says a first compile takes minutes, compiles, then lets the checkpoint's
-        file go (`weights.mapping`)."""
+        """Says a first compile takes minutes, compiles (inside the extensions' load
+        hooks), then lets the checkpoint's file go (`weights.mapping`)."""
         announce_compile(
             self.pipeline_config.model.quantization_encoding, self.devices[0].is_host
         )
-        compiled = super().load_model()
+        load = super().load_model
+        for extension in reversed(self.extensions):
+            load = functools.partial(extension.load, self, load)
+        compiled = load()
         release(self.weights)
+        step = super().execute
+        for extension in reversed(self.extensions):
+            step = functools.partial(extension.execute, self, run=step)
+        self._step = step
         return compiled
+
+    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
+        """One step: MAX's, inside the extensions' execute hooks, outermost first."""
+        return self._step(model_inputs)
+
+    def takes(self, part: str) -> bool:
+        """Whether an extension wants `part` of MAX handed over (`Extension.takes`)."""
+        return any(part in extension.takes for extension in self.extensions)
+
+    def hand_over(self, part: str, *value: Any) -> None:
+        """Gives `part` of MAX (built after the model; a shim's hand-over) to the
+        extensions that take it."""
+        for extension in self.extensions:
+            if part in extension.takes:
+                extension.receive(self, part, *value)
 
     def _create_model_config(self, state_dict: dict[str, Any]) -> GPT2ArchConfig:
         # The base class already built (and validated) the config from the

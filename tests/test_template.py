@@ -2,8 +2,9 @@
 optional rooms, serves a checkpoint exactly, even on a MAX release its shims were
 not checked against.
 
-A copier renames the folder and, to start, drops the fast paths, the generator, the
-offline tools and the test harness (`docs/porting.md`). This test does exactly that
+A copier renames the folder and, to start, drops the fast paths, the rooms that
+extend the model (decode bursts, the runtime policy), the generator, the offline
+tools and the test harness (`docs/porting.md`). This test does exactly that
 and serves the copy through its own setting for the plain layers
 (`<PACKAGE>_LAYERS=plain`), so the porting guide and `names.PACKAGE` cannot drift
 from the code: a core module that imported a dropped room, or a name that still
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.tier("serve")
 
 COPY = "my_gpt"
 OPTIONAL = [
-    "generate", "tools", "testing", "kernels",
+    "generate", "tools", "testing", "kernels", "bursts", "cpu_runtime",
     "layers/fast.py", "layers/linear.py", "layers/quantized.py", "layers/embedding.py",
 ]
 """What `docs/porting.md` says a first port can leave out."""
@@ -97,3 +98,4 @@ def test_the_core_copied_under_another_name_serves_exactly(
                 assert choice.model_extra["token_ids"] == gpt2_max_reference.greedy(prompt, 8)
     log = (tmp_path / "server.log").read_text()
     assert f"{COPY}: MAX {OTHER_RELEASE} {WARNING}" in log
+    assert "decode batches run up to" not in log  # no bursts room, no bursts

@@ -5,7 +5,7 @@ loop around that step (the scheduler, `prepare_batch`, the sampler's set-up,
 metrics, a message to the API process) costs a good share of a small model's
 step. A burst pays for that loop once every `K` tokens:
 
-- `DecodeBursts` (mixed into the pipeline model): when every row of a batch is
+- `DecodeBursts` (the pipeline model's extension, `extensions`): when every row of a batch is
   decoding one token, the model runs the graph, samples its logits with MAX's
   own sampler graph and sampling inputs, and runs the graph again on that
   token, up to `K` steps and a time budget, inside the KV pages MAX already
@@ -23,7 +23,20 @@ batches run one step a pass. `GPT2_MAX_DECODE_STEPS` sets `K` (1 turns bursts
 off), `GPT2_MAX_BURST_MS` the budget.
 """
 
+from typing import Any
+
+from ..shims import fast_forward
 from .context import BurstContext, FastForwardBurstContext
 from .model import DecodeBursts, decode_steps
 
 __all__ = ["BurstContext", "DecodeBursts", "FastForwardBurstContext", "decode_steps"]
+
+
+def extend(model: Any) -> DecodeBursts:
+    return DecodeBursts()
+
+
+def context_type(base: type) -> type:
+    """The context type that takes a burst's tokens (with fast-forward tokens when
+    `GPT2_MAX_FAST_FORWARD` is on)."""
+    return FastForwardBurstContext if fast_forward.enabled() else BurstContext

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from max.driver import Buffer, Device
@@ -16,6 +16,7 @@ from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModelInputs, ModelOutputs
 
+from ..extensions import Extension
 from ..inputs import GPT2Inputs
 from ..names import PACKAGE
 from ..settings import CPU_DECODE_STEPS, setting, settings
@@ -24,6 +25,8 @@ from .context import BurstContext, extra_steps
 
 logger = logging.getLogger("max.pipelines")
 
+T = TypeVar("T")
+
 ENV = setting("decode_steps").variable
 
 
@@ -31,7 +34,7 @@ BUDGET_ENV = setting("burst_ms").variable
 """A burst starts no step that would end (if it took as long as the one before)
 past this many milliseconds from the burst's start. What a burst saves is MAX's
 loop, a fixed cost a pass, so it matters where steps are short. A request arriving
-mid-burst ends the burst at the next step (`DecodeBursts.watch_requests`), so the
+mid-burst ends the burst at the next step (`DecodeBursts.receive`), so the
 budget is not what such a request waits; it bounds how long a stream's client
 waits between chunks. With it, a small model's step bursts to `K` and a large
 one's (where the loop is a small share) a few steps or none."""
@@ -110,66 +113,73 @@ def next_step_inputs(
     )
 
 
-class DecodeBursts:
-    """Mixin for the pipeline model: pure-decode batches run up to `K` steps an
+class DecodeBursts(Extension):
+    """The model's extension for bursts: pure-decode batches run up to `K` steps an
     `execute` (see the package doc). Its `execute` returns what the one-step loop
     returns; the further tokens reach MAX through `BurstContext`."""
 
-    _burst_steps = 1
-    _burst_sampler: Any = None
-    _sampler_device: Device | None = None
-    _burst_budget_s = 0.0
-    _request_waiting: Callable[[], bool] | None = None
+    takes = frozenset({"sampler", "waiting_requests"})
 
-    def load_model(self) -> Callable[..., Any]:
-        compiled = super().load_model()  # type: ignore[misc]
-        sampling = self.pipeline_config.sampling  # type: ignore[attr-defined]
+    def __init__(self) -> None:
+        self._steps = 1
+        self._budget_s = 0.0
+        self._sampler: Any = None
+        self._sampler_device: Device | None = None
+        self._request_waiting: Callable[[], bool] | None = None
+
+    def load(self, model: Any, load: Callable[[], T]) -> T:
+        compiled = load()
+        sampling = model.pipeline_config.sampling
         # What MAX's loop does per token that a burst does not: all logits (echo),
         # penalties over the tokens so far, variable logits.
-        if (self.return_logits is ReturnLogits.LAST_TOKEN  # type: ignore[attr-defined]
+        if (model.return_logits is ReturnLogits.LAST_TOKEN
                 and not sampling.enable_penalties and not sampling.enable_variable_logits):
-            self._burst_steps = decode_steps(self.devices[0].is_host)  # type: ignore[attr-defined]
-            self._burst_budget_s = burst_budget_s()
+            self._steps = decode_steps(model.devices[0].is_host)
+            self._budget_s = burst_budget_s()
         return compiled
 
-    def adopt_sampler(self, sampler: Any, device: Device) -> None:
-        """The text pipeline's own sampler graph, handed over once the pipeline is
-        built (`shims.shared_sampler`): until then, and without it, no bursts."""
-        self._burst_sampler, self._sampler_device = sampler, device
-        if self._burst_steps > 1:
-            logger.info(
-                f"{PACKAGE}: decode batches run up to {self._burst_steps} steps a pass "
-                f"(set {ENV}=1 for one)"
-            )
+    def receive(self, model: Any, part: str, *value: Any) -> None:
+        """The text pipeline's own sampler graph and its device ("sampler", handed over
+        once the pipeline is built, `shims.shared_sampler`: until then, and without it,
+        no bursts); and whether a request waits at MAX's scheduler ("waiting_requests",
+        `shims.waiting_requests`): a burst ends as soon as one does, so it is admitted
+        at the next pass instead of after the whole burst."""
+        if part == "sampler":
+            self._sampler, self._sampler_device = value
+            if self._steps > 1:
+                logger.info(
+                    f"{PACKAGE}: decode batches run up to {self._steps} steps a pass "
+                    f"(set {ENV}=1 for one)"
+                )
+        elif part == "waiting_requests":
+            (self._request_waiting,) = value
+            if self._steps > 1:
+                logger.info(f"{PACKAGE}: a decode burst ends at the step a new request arrives")
 
-    def watch_requests(self, waiting: Callable[[], bool]) -> None:
-        """Whether a request waits at MAX's scheduler, handed over once the scheduler
-        is built (`shims.waiting_requests`): a burst ends as soon as one does, so
-        it is admitted at the next pass instead of after the whole burst."""
-        self._request_waiting = waiting
-        if self._burst_steps > 1:
-            logger.info(f"{PACKAGE}: a decode burst ends at the step a new request arrives")
-
-    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
+    def execute(
+        self, model: Any, inputs: ModelInputs, run: Callable[[ModelInputs], ModelOutputs]
+    ) -> ModelOutputs:
         started = time.perf_counter()
-        outputs = super().execute(model_inputs)  # type: ignore[misc]
-        if (self._burst_steps > 1 and self._burst_sampler is not None
-                and isinstance(model_inputs, GPT2Inputs)):
-            self._burst(model_inputs, outputs, started)
+        outputs = run(inputs)
+        if self._steps > 1 and self._sampler is not None and isinstance(inputs, GPT2Inputs):
+            self._burst(model, inputs, outputs, started, run)
         return outputs
 
-    def _burst(self, first: GPT2Inputs, outputs: ModelOutputs, started: float) -> None:
+    def _burst(
+        self, model: Any, first: GPT2Inputs, outputs: ModelOutputs, started: float,
+        run: Callable[[ModelInputs], ModelOutputs],
+    ) -> None:
         contexts = first.contexts
-        deadline = started + self._burst_budget_s
+        deadline = started + self._budget_s
         if not contexts or 2 * time.perf_counter() - started > deadline:
             return  # a second step, as long as the first, would end past the budget
-        page_size = self.kv_params.page_size  # type: ignore[attr-defined]
-        extra = min(self._burst_steps - 1, *(extra_steps(c, page_size) for c in contexts))
+        page_size = model.kv_params.page_size
+        extra = min(self._steps - 1, *(extra_steps(c, page_size) for c in contexts))
         if extra <= 0:
             return
         sampling = BurstSampling(
-            self._burst_sampler, contexts, extra + 1, self._sampler_device,
-            self.pipeline_config.sampling.enable_min_tokens,  # type: ignore[attr-defined]
+            self._sampler, contexts, extra + 1, self._sampler_device,
+            model.pipeline_config.sampling.enable_min_tokens,
         )
         positions = np.array([c.tokens.processed_length for c in contexts], dtype=np.int64)
         ends = [set() if c.ignore_eos else c.eos_tracker.eos_token_ids for c in contexts]
@@ -185,8 +195,7 @@ class DecodeBursts:
             mark = now
             if self._request_waiting is not None and self._request_waiting():
                 break  # let MAX admit it now
-            inputs = next_step_inputs(first, positions, tokens, step, self.kv_params)  # type: ignore[attr-defined]
-            step_outputs = super().execute(inputs)  # type: ignore[misc]
+            step_outputs = run(next_step_inputs(first, positions, tokens, step, model.kv_params))
             tokens = sampling.sample(step_outputs.next_token_logits, step)
             made.append(tokens)
         for context, row in zip(contexts, np.stack(made, axis=1).tolist(), strict=True):

@@ -1,49 +1,54 @@
-"""The package's speed policy around MAX's runtime: not what MAX asks of an architecture.
+"""The package's runtime policy around MAX's: not what MAX asks of an architecture.
 
-`CPURuntimePolicy` is mixed into the pipeline model in one place
-(`model.GPT2PipelineModel`'s bases); a copier starting from the core leaves it out
-and loses nothing but speed. What it does:
+A room of its own (`extensions.ROOMS`): the model gets it as one `Extension`, and a
+copy that deletes this folder loses nothing but speed. What it does:
 
 - on the CPU, after the graph compiles, MAX's worker threads go below the Python
   thread that drives each step, and after the first execute MAX's engine poller
   goes to the idle class (`threads`, `GPT2_MAX_WORKER_NICE=0` to leave both be);
-- every step runs the compiled graph through `execute_raw` on the buffers the
-  batch processor laid out, skipping the base class's per-call check and `Tensor`
-  wrapping of every argument and result (a tenth of a millisecond a step, a few
-  percent of a 4-bit decode step on the CPU).
+- on any device, every step runs the compiled graph through `execute_raw` on the
+  buffers the batch processor laid out, skipping the base class's per-call check
+  and `Tensor` wrapping of every argument and result (a tenth of a millisecond a
+  step: a few percent of a 4-bit decode step on the CPU, more of a GPU's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from max import tree
 from max.pipelines.lib import ModelInputs, ModelOutputs
 
+from ..extensions import Extension
 from .threads import idle_engine_poller, thread_ids, yield_to_main_thread
 
+T = TypeVar("T")
 
-class CPURuntimePolicy:
-    """Mixin for a `ModuleV3PipelineModelWithKVCache` whose module returns `ModuleV3Outputs`."""
 
-    _threads_before_load: set[int] | None = None
-    """On the CPU, until the first execute has idled MAX's engine poller: the process's
-    threads before the model loaded, so the poller is told from threads that were there."""
+class RuntimePolicy(Extension):
+    """For a `ModuleV3PipelineModelWithKVCache` whose module returns `ModuleV3Outputs`."""
 
-    def load_model(self) -> Callable[..., Any]:
-        on_host = all(device.is_host for device in self.devices)
+    def __init__(self) -> None:
+        self._threads_before_load: set[int] | None = None
+        """On the CPU, until the first execute has idled MAX's engine poller: the
+        process's threads before the model loaded, so the poller is told from threads
+        that were there."""
+
+    def load(self, model: Any, load: Callable[[], T]) -> T:
+        on_host = all(device.is_host for device in model.devices)
         threads = thread_ids() if on_host else None
-        compiled = super().load_model()
+        compiled = load()
         if on_host:
             yield_to_main_thread()
         self._threads_before_load = threads
         return compiled
 
-    def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
-        out = tree.unflatten(
-            self.model.out_tree, self.model.execute_raw(*model_inputs.buffers)
-        )
+    def execute(
+        self, model: Any, inputs: ModelInputs, run: Callable[[ModelInputs], ModelOutputs]
+    ) -> ModelOutputs:
+        # The step itself, run raw instead of through `run` (the base class's execute).
+        out = tree.unflatten(model.model.out_tree, model.model.execute_raw(*inputs.buffers))
         if self._threads_before_load is not None:
             idle_engine_poller(self._threads_before_load)
             self._threads_before_load = None
@@ -52,3 +57,7 @@ class CPURuntimePolicy:
             next_token_logits=out.next_token_logits,
             logit_offsets=out.logit_offsets,
         )
+
+
+def extend(model: Any) -> RuntimePolicy:
+    return RuntimePolicy()

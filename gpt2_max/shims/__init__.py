@@ -27,10 +27,10 @@ and why, so nothing else in the package imports a private MAX name:
 - `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
   first use instead of at every start.
 - `shared_sampler`: the text pipeline's token sampler handed to a pipeline
-  model that asks for it (`adopt_sampler`), whose decode bursts
+  model that asks for it (`takes`, `hand_over`), whose decode bursts
   (`gpt2_max.bursts`) sample with it.
 - `waiting_requests`: whether a request waits in MAX's scheduler's queue, told
-  to a pipeline model that asks (`watch_requests`), whose decode bursts end when
+  to a pipeline model that asks, whose decode bursts end when
   one does. Both hook the `__init__` of the MAX class that holds what they hand
   over, one way (`patching.after_init`).
 

@@ -1,10 +1,18 @@
 """How a shim hands a MAX object's parts to the model: a hook run after the
-class's own `__init__`, installed once per process however often it is asked."""
+class's own `__init__`, installed once per process however often it is asked, that
+hands a part only to a model that asks for it (`asks`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+
+def asks(model: Any, part: str) -> bool:
+    """Whether `model` asks for `part` of MAX (`GPT2PipelineModel.takes`); a model of
+    any other architecture does not."""
+    takes = getattr(model, "takes", None)
+    return callable(takes) and bool(takes(part)) and callable(getattr(model, "hand_over", None))
 
 
 def after_init(cls: type, marker: str, hook: Callable[[Any], None]) -> None:

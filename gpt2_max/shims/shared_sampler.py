@@ -3,7 +3,8 @@
 MAX 26.7's text pipeline builds the model first and its sampler graph after,
 and keeps the sampler to itself. A burst samples with exactly that graph, so
 this patch of `TextGenerationPipeline.__init__` hands it to a model that asks
-for it (one with an `adopt_sampler` method) once the pipeline is built: no
+for it (`model.takes("sampler")`, then `model.hand_over("sampler", sampler,
+device)`) once the pipeline is built: no
 second compile or load, and no chance of a sampler that differs from MAX's.
 """
 
@@ -12,15 +13,15 @@ from __future__ import annotations
 from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
 
 from .internals import pipeline_model, pipeline_sampler
-from .patching import after_init
+from .patching import after_init, asks
 
 
 def _hand_over(pipeline: TextGenerationPipeline) -> None:
     # Only a model that asks: no other pipeline's private state is read.
-    if getattr(pipeline_model(pipeline), "adopt_sampler", None) is None:
+    if not asks(pipeline_model(pipeline), "sampler"):
         return
     model, sampler, device = pipeline_sampler(pipeline)
-    model.adopt_sampler(sampler, device)
+    model.hand_over("sampler", sampler, device)
 
 
 def install() -> None:

@@ -22,10 +22,20 @@ pytestmark = pytest.mark.tier("unit")
 
 
 class Model:
+    """Takes the probe, as `GPT2PipelineModel` does when its bursts extension is there."""
+
     waiting = None
 
-    def watch_requests(self, waiting) -> None:
+    def takes(self, part: str) -> bool:
+        return part == "waiting_requests"
+
+    def hand_over(self, part: str, waiting) -> None:
         self.waiting = waiting
+
+
+class NotAsking(Model):
+    def takes(self, part: str) -> bool:
+        return False
 
 
 class Pipeline:
@@ -44,7 +54,7 @@ def fields(self, pipeline, *, request_queue, max_pending_requests=None) -> None:
 
 @pytest.fixture
 def scheduler(monkeypatch):
-    """Builds a scheduler, patched as `gpt2_max.bursts` patches it, over a stub init."""
+    """Builds a scheduler, patched as `shims.install` patches it, over a stub init."""
     monkeypatch.setattr(TokenGenerationScheduler, "__init__", fields)
     waiting_requests.install()
     return TokenGenerationScheduler
@@ -78,11 +88,11 @@ def test_a_request_left_queued_by_a_full_pending_pool_does_not_count(scheduler):
     assert not model.waiting()
 
 
-def test_models_without_a_watch_and_other_queues_are_left_alone(scheduler):
+def test_models_that_do_not_ask_and_other_queues_are_left_alone(scheduler):
     scheduler(Pipeline(object()), request_queue=ZmqConfig[list[int]](list[int]).pull())
-    model = Model()
-    scheduler(Pipeline(model), request_queue=[])
-    assert model.waiting is None
+    for model in (NotAsking(), Model()):
+        scheduler(Pipeline(model), request_queue=[])
+        assert model.waiting is None
 
 
 def test_install_patches_once():

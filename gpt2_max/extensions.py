@@ -1,0 +1,73 @@
+"""The one seam through which an optional room of the package extends the pipeline model.
+
+The core (`arch`, `model`, the network, the plain layers, the weights) serves GPT-2
+exactly on its own. A speed feature that changes how the model loads or runs a step
+is a room of its own that the core never imports: it is named in `ROOMS`, imported
+by name when it is there, and hands the model one `Extension`, whose hooks wrap
+the model's load and each `execute` (composition: the model calls them in turn,
+outermost first; no room is a base class of the model). A room may also give the
+architecture its context type. A copy of the package that deletes a room loses that
+room's feature and nothing else; a room that is there but fails to import fails the
+start, as any import would.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeVar
+
+from .names import PACKAGE
+
+ROOMS = ("bursts", "cpu_runtime")
+"""The rooms that extend the model, outermost first: decode bursts run several of the
+runtime policy's steps."""
+
+T = TypeVar("T")
+
+
+class Extension:
+    """What a room may add to the pipeline model; each hook here leaves it as it is."""
+
+    takes: frozenset[str] = frozenset()
+    """Parts of MAX that shims hand over once MAX has built them ("sampler",
+    "waiting_requests"; `GPT2PipelineModel.hand_over`) that this extension wants."""
+
+    def load(self, model: Any, load: Callable[[], T]) -> T:
+        """Runs `load()` (the model's load and compile, and the hooks inside this one)."""
+        return load()
+
+    def execute(self, model: Any, inputs: Any, run: Callable[[Any], Any]) -> Any:
+        """One `execute` of the model: `run(inputs)` runs the step (and the hooks inside)."""
+        return run(inputs)
+
+    def receive(self, model: Any, part: str, *value: Any) -> None:
+        """A part of MAX in `takes`, handed over."""
+
+
+def rooms() -> list[ModuleType]:
+    """The modules of the rooms in `ROOMS` that this copy of the package has."""
+    found = []
+    for room in ROOMS:
+        name = f"{PACKAGE}.{room}"
+        try:
+            found.append(importlib.import_module(name))
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise  # the room is there; something it imports is not
+    return found
+
+
+def extensions_for(model: Any) -> tuple[Extension, ...]:
+    """One extension per room that extends `model` (a room's `extend(model)` may
+    return None: not on this device, or turned off)."""
+    made = (getattr(room, "extend", lambda model: None)(model) for room in rooms())
+    return tuple(extension for extension in made if extension is not None)
+
+
+def context_type(base: type) -> type:
+    """The architecture's context type: `base`, as each room's `context_type` makes it."""
+    for room in rooms():
+        base = getattr(room, "context_type", lambda base: base)(base)
+    return base
