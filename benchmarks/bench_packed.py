@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType
 from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
-from gpt2_max.encodings import PACKED_ENCODINGS
+from gpt2_max.encodings import BLOCK_FLAGS
 from gpt2_max.layers import kernel_choice, qmatmul
 from gpt2_max.weights.gguf_quants import quantize
 
@@ -54,7 +54,7 @@ def main() -> None:
         ]
         nbytes = sum(b.nbytes for b in blocks)
         variants = {dot: blocks for dot in args.dots.split(",")}
-        if encoding in PACKED_ENCODINGS:
+        if encoding in BLOCK_FLAGS:
             repack = qmatmul.Repacker({encoding})
             variants["max"] = [repack(encoding, b) for b in blocks]
         for name, weights in variants.items():
@@ -85,7 +85,7 @@ def main() -> None:
               f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
     print("The model's kernel for each type on this CPU (layers/kernel_choice.py):")
     for encoding in args.types.split(","):
-        choice = kernel_choice.choice(encoding) if encoding in PACKED_ENCODINGS else None
+        choice = kernel_choice.choice(encoding) if encoding in BLOCK_FLAGS else None
         print("  " + (choice.describe(encoding) if choice else
                       f"{encoding} weights: package's kernel (MAX has none for {encoding})"))
 

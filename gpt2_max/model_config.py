@@ -269,7 +269,7 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             # encoding (its own dtype, uint8, is its packing).
             dtype=(
                 DType.float32
-                if encoding in encodings.PACKED_ENCODINGS
+                if encoding in encodings.BLOCK_FLAGS
                 else supported_encoding_dtype(encoding)
             ),
             devices=devices,

@@ -41,7 +41,7 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 from .. import kernels
-from ..encodings import PACKED_ENCODINGS
+from ..encodings import BLOCK_FLAGS
 from ..kernels.package import source_hash
 from ..max_cache import max_cache_dir
 from ..names import PACKAGE
@@ -77,7 +77,7 @@ class Choice:
 
 def uses_max_kernel(encoding: str) -> bool:
     """Whether `encoding`'s packed weights go through MAX's `qmatmul` on this CPU."""
-    return encoding in PACKED_ENCODINGS and choice(encoding).kernel == "max"
+    return encoding in BLOCK_FLAGS and choice(encoding).kernel == "max"
 
 
 @functools.cache

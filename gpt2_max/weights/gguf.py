@@ -12,7 +12,7 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
   Other F16 tensors (position table, norms, biases: small) and all BF16 ones
   are widened to float32 here (MAX's CPU kernels have no bfloat16).
   Safetensors checkpoints in float16 are widened by their own adapter.
-- Matmul weights of the block types `encodings.KEPT_PACKED` lists stay packed:
+- Matmul weights of the block types `encodings.PACKED_TYPES` lists stay packed:
   MAX's `qmatmul` multiplies Q4_0, Q4_K and Q6_K, the package's kernel Q5_K,
   Q5_0, Q5_1 and Q8_0 (`layers/quantized.py`). MAX's own GGUF reader refuses
   Q5_0, Q5_1 and Q8_0 (its `QuantizationEncoding` has none), so their bytes are
@@ -44,7 +44,7 @@ from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData, Weights
 
-from ..encodings import KEPT_PACKED
+from ..encodings import PACKED_TYPES
 from ..names import PACKAGE
 from ..shims.internals import gguf_reader
 from .gguf_names import hub_name
@@ -60,8 +60,8 @@ from .schema import (
 
 logger = logging.getLogger("max.pipelines")
 
-KEPT: frozenset[Q] = frozenset(Q[name.upper()] for name in KEPT_PACKED)
-"""Block types whose matmul weights stay packed (`encodings.KEPT_PACKED`)."""
+KEPT: frozenset[Q] = frozenset(Q[name.upper()] for name in PACKED_TYPES)
+"""Block types whose matmul weights stay packed (`encodings.PACKED_TYPES`)."""
 
 WIDENED = (Q.F16, Q.BF16)
 """Float types read exactly (widened to float32 unless `stays_half`)."""

@@ -20,7 +20,7 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
-from gpt2_max.encodings import KEPT_PACKED, KERNEL_TYPES, block_geometry
+from gpt2_max.encodings import KERNEL_TYPES, block_geometry
 from gpt2_max.weights.gguf_quants import quantize
 
 pytestmark = pytest.mark.tier("model")
@@ -51,11 +51,6 @@ CASES = [
     )
     for k, n in SHAPES + (SMALL_BLOCK_SHAPES if block_geometry(encoding)[0] == 32 else ())
 ]
-
-
-@pytest.mark.tier("unit")
-def test_every_type_kept_packed_has_a_kernel():
-    assert KEPT_PACKED <= set(KERNEL_TYPES)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, quants
 from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
-from gpt2_max.encodings import PACKED_ENCODINGS
+from gpt2_max.encodings import BLOCK_FLAGS
 from gpt2_max.layers import kernel_choice, qmatmul
 from gpt2_max.layers.kernel_choice import KERNEL_ENV, Choice, choice, uses_max_kernel
 from gpt2_max.settings import settings
@@ -78,7 +78,7 @@ def test_the_measurement_picks_the_kernel_that_serves_the_request_sooner():
 
 
 @pytest.mark.tier("model")
-@pytest.mark.parametrize("encoding", sorted(PACKED_ENCODINGS))
+@pytest.mark.parametrize("encoding", sorted(BLOCK_FLAGS))
 @pytest.mark.parametrize("kernel", kernel_choice.KERNELS)
 def test_either_kernel_matches_numpy_on_dequantized_weights(encoding, kernel):
     """Both kernels serve these types on some CPU, so both are checked on every CPU,
