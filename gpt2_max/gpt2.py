@@ -1,8 +1,10 @@
 """The GPT-2 network in MAX's ModuleV3 API, over a paged KV cache.
 
-The module tree mirrors the Hugging Face checkpoint (`wte`, `wpe`, `h.{i}.attn.c_attn`,
-`h.{i}.mlp.c_fc`, `ln_f`, ...), so weights load under their own names; the one
-layout difference, Conv1D's `[in, out]` weights, is undone in `weights/`.
+Embeddings, the blocks (`layers/block.py`: attention and MLP, a file each in
+`layers/`), the final norm and the LM head. The module tree mirrors the Hugging
+Face checkpoint (`wte`, `wpe`, `h.{i}.attn.c_attn`, `h.{i}.mlp.c_fc`, `ln_f`,
+...), so weights load under their own names; the one layout difference, Conv1D's
+`[in, out]` weights, is undone in `weights/`.
 
 A batch is ragged: the active tokens of every sequence are concatenated into one
 `[total_tokens]` stream and `input_row_offsets[b] : input_row_offsets[b + 1]` is
@@ -12,121 +14,20 @@ values into the cache and attends over everything cached for the sequence.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from max import tree
-from max.driver import CPU
 from max.dtype import DType
 from max.experimental import functional as F
 from max.experimental.nn import Module
-from max.experimental.nn.norm import LayerNorm
 from max.experimental.nn.sequential import ModuleList
 from max.experimental.tensor import Tensor
-from max.nn import kernels
-from max.nn.kv_cache import KVCacheInputsPerDevice, PagedCacheValues
+from max.nn.kv_cache import KVCacheInputsPerDevice
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
 
 from .layers import Layers
+from .layers.block import layer_norm
 from .model_config import GPT2ArchConfig
 from .shims.internals import graph_value
-
-# Write one layer's new keys / values (`[tokens, heads, head_dim]`) into the paged cache.
-store_k_cache_ragged = F.functional(kernels.store_k_cache_ragged)
-store_v_cache_ragged = F.functional(kernels.store_v_cache_ragged)
-
-ACTIVATION_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "quick_gelu": lambda x: x * F.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "silu": F.silu,
-    "tanh": F.tanh,
-    "sigmoid": F.sigmoid,
-    "linear": lambda x: x,
-}
-"""The MLP nonlinearity by the canonical name `model_config.ACTIVATIONS` maps to."""
-
-
-def activation(name: str, x: Tensor) -> Tensor:
-    """The MLP nonlinearity `name` applied to `x`, as transformers computes it."""
-    return ACTIVATION_FUNCTIONS[name](x)
-
-
-def layer_norm(config: GPT2ArchConfig) -> LayerNorm:
-    """A LayerNorm over the hidden size whose mean and variance are reduced in
-    float32 whatever the graph's dtype, as MAX's own architectures normalize in
-    bfloat16 (in a float32 graph that is the plain LayerNorm)."""
-    return LayerNorm(
-        config.hidden_size,
-        eps=config.layer_norm_epsilon,
-        keep_dtype=config.dtype == DType.float32,
-    )
-
-
-class GPT2Attention(Module[..., Tensor]):
-    """Causal multi-head self-attention over the paged KV cache."""
-
-    def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
-        self.layers = layers
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.head_dim = config.head_dim
-        self.scale = config.attention_scale(layer_idx)
-        prefix = f"h.{layer_idx}.attn"
-        self.c_attn = layers.linear(f"{prefix}.c_attn", config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = layers.linear(f"{prefix}.c_proj", config.hidden_size, config.hidden_size)
-
-    def forward(
-        self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
-    ) -> Tensor:
-        layer_idx = F.constant(self.layer_idx, DType.uint32, device=CPU())
-        heads = [-1, self.num_heads, self.head_dim]
-        q, k, v = F.split(self.c_attn(x), [self.num_heads * self.head_dim] * 3, axis=1)
-        store_k_cache_ragged(kv_collection, k.reshape(heads), input_row_offsets, layer_idx)
-        store_v_cache_ragged(kv_collection, v.reshape(heads), input_row_offsets, layer_idx)
-        attn = self.layers.attention(
-            q.reshape(heads), input_row_offsets, kv_collection, layer_idx, self.scale
-        )
-        return self.c_proj(attn.reshape([-1, self.num_heads * self.head_dim]))
-
-
-class GPT2MLP(Module[[Tensor], Tensor]):
-    """Position-wise feed-forward: `c_proj(act(c_fc(x)))`."""
-
-    def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
-        self.activation = config.activation
-        prefix = f"h.{layer_idx}.mlp"
-        self.c_fc = layers.linear(f"{prefix}.c_fc", config.hidden_size, config.feed_forward_size)
-        inner, hidden = config.feed_forward_size, config.hidden_size
-        self.c_proj = layers.linear(f"{prefix}.c_proj", inner, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(activation(self.activation, self.c_fc(x)))
-
-
-class GPT2Block(Module[..., Tensor]):
-    """Pre-LayerNorm transformer block with residual connections."""
-
-    def __init__(self, config: GPT2ArchConfig, layers: Layers, layer_idx: int) -> None:
-        self.layers = layers
-        self.ln_1 = layer_norm(config)
-        self.attn = GPT2Attention(config, layers, layer_idx)
-        self.ln_2 = layer_norm(config)
-        self.mlp = GPT2MLP(config, layers, layer_idx)
-
-    def forward(
-        self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
-    ) -> Tensor:
-        # The layers may run the whole block as one op (`Layers.block`).
-        return self.layers.block(self, x, kv_collection, input_row_offsets)
-
-    def composed(
-        self, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
-    ) -> Tensor:
-        """The block from its modules: the definition `Layers.block` must compute."""
-        x = x + self.attn(self.ln_1(x), kv_collection, input_row_offsets)
-        return x + self.mlp(self.ln_2(x))
 
 
 class GPT2(Module[..., ModuleV3Outputs]):
@@ -140,7 +41,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
         table_rows = config.head_rows if config.head_reads_wte else config.vocab_size
         self.wte = layers.embedding("wte", table_rows, config.hidden_size)
         self.wpe = layers.embedding("wpe", config.max_positions, config.hidden_size)
-        self.h = ModuleList([GPT2Block(config, layers, i) for i in range(config.num_layers)])
+        self.h = ModuleList([layers.block(i) for i in range(config.num_layers)])
         self.ln_f = layer_norm(config)
         # A tied head multiplies `wte` in place (`[vocab, hidden]`, no copy);
         # otherwise the head has its own weight.

@@ -13,7 +13,7 @@ import torch
 from max.experimental.tensor import Tensor
 from transformers.activations import ACT2FN
 
-from gpt2_max.gpt2 import activation
+from gpt2_max.layers.mlp import activation
 from gpt2_max.model_config import ACTIVATIONS, GPT2_VOCAB_SIZE
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 from tests.conftest import LAYOUTS, PADDED_VOCAB_SIZE, VARIANTS

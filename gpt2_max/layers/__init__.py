@@ -1,16 +1,20 @@
-"""The layers `gpt2.GPT2` is built from, chosen in one place: `layers_for`.
+"""GPT-2's layers, and the one place their implementations are chosen: `layers_for`.
 
-`Layers` builds MAX's own `Linear` and `Embedding` and multiplies a tied head
-with MAX's matmul: the plain path, float32, exact against transformers on any
-device. It is all a copier of this package needs to bring a model up.
+The modules are GPT-2's own, one file each as MAX lays its layers out
+(`attention.py`, `mlp.py`, `block.py`; the network around them is `gpt2.py`).
+They take their parts from a `Layers`, which picks modules and never runs them:
+`Layers` gives MAX's own `Linear` and `Embedding`, `GPT2Attention` (MAX's flash
+attention), `GPT2Block`, and multiplies a tied head with MAX's matmul: the plain
+path, float32, exact against transformers on any device. It is all a copier of
+this package needs to bring a model up.
 
-`fast.FastLayers` is the same interface with this package's fast paths behind
-it: a Mojo kernel that streams each weight once per decode step
-(`linear.py`, `kernels/`), float16 weights held as loaded (`embedding.py`),
-GGUF blocks multiplied packed by MAX's quantized CPU kernels (`quantized.py`).
-On the CPU, attention over the paged cache is the package's own Mojo op
-(`kernels/mojo/attention.mojo`), cheaper than MAX's at a decode step's one query
-per sequence. `layers_for` takes them on the CPU unless `GPT2_MAX_LAYERS=plain` is set.
+`fast.FastLayers` picks this package's fast modules instead: a Mojo kernel that
+streams each weight once per decode step (`linear.py`, `kernels/`), float16
+weights held as loaded (`embedding.py`), GGUF blocks multiplied packed
+(`quantized.py`), the package's attention op over the paged cache, cheaper than
+MAX's at a decode step's one query per sequence, and a whole block as one op
+where its weights allow. `layers_for` takes them on the CPU unless
+`GPT2_MAX_LAYERS=plain` is set.
 
 On a GPU the plain layers run, in the graph's dtype (bfloat16 by default there):
 the package's kernels and the weights it keeps packed or in float16 are CPU-only,
@@ -24,16 +28,15 @@ from typing import Any
 
 import numpy as np
 from max.experimental import nn
-from max.experimental.nn.common_layers.functional_kernels import flash_attention_ragged
 from max.experimental.tensor import Tensor
 from max.graph.weights import WeightData
-from max.nn.attention import MHAMaskVariant
-from max.nn.kv_cache import PagedCacheValues
 
 from ..model_config import GPT2ArchConfig
 from ..settings import setting, settings
 from ..weights.plan import block_type
 from ..weights.schema import CheckpointError
+from .attention import GPT2Attention
+from .block import GPT2Block
 
 LAYERS_ENV = setting("layers").variable
 
@@ -56,29 +59,13 @@ class Layers:
         """`h @ table.T`: logits from the token table itself (a tied LM head)."""
         return h @ table.T
 
-    def attention(
-        self, q: Tensor, input_row_offsets: Tensor, kv_collection: PagedCacheValues,
-        layer_idx: Tensor, scale: float,
-    ) -> Tensor:
-        """Causal attention of `q` (`[tokens, heads, head_dim]`, a ragged batch) over
-        layer `layer_idx` of the paged KV cache, which already holds the step's keys
-        and values: MAX's flash attention, on any device."""
-        return flash_attention_ragged(
-            self.config.kv_params,
-            input=q,
-            input_row_offsets=input_row_offsets,
-            kv_collection=kv_collection,
-            layer_idx=layer_idx,
-            mask_variant=MHAMaskVariant.CAUSAL_MASK,
-            scale=scale,
-        )
+    def attention(self, layer_idx: int) -> GPT2Attention:
+        """Block `layer_idx`'s attention: MAX's flash attention over the paged cache."""
+        return GPT2Attention(self.config, self, layer_idx)
 
-    def block(
-        self, block: Any, x: Tensor, kv_collection: PagedCacheValues, input_row_offsets: Tensor
-    ) -> Tensor:
-        """A transformer block (`gpt2.GPT2Block`) applied to `x`: its modules one after
-        the other (`GPT2Block.composed`)."""
-        return block.composed(x, kv_collection, input_row_offsets)
+    def block(self, layer_idx: int) -> GPT2Block:
+        """Block `layer_idx`: its modules one after the other."""
+        return GPT2Block(self.config, self, layer_idx)
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The weights in the graph's dtype, each cast from its own.

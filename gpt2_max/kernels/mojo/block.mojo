@@ -12,7 +12,7 @@ longer step (a prefill) runs the same stages one after the other, each on all th
 threads, the projections through `ops.run_linear` (MAX's tiled matmul for float32
 weights), as the composed block does.
 
-Each value is computed as `gpt2.GPT2Block.composed` computes it (the projections in
+Each value is computed as `layers.block.GPT2Block.forward` computes it (the projections in
 the skinny kernel's order, the bias and then the residual added to each sum, the
 same tanh GELU), so the two differ only by LayerNorm's and GELU's rounding.
 """
