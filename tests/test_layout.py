@@ -18,6 +18,7 @@ import pytest
 
 import gpt2_max
 from gpt2_max.testing.server import child_env
+from tests.test_template import OPTIONAL
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -44,6 +45,15 @@ def drawn_floors() -> list[set[str]]:
 
 FLOORS = drawn_floors()
 """Rooms (top-level modules and subpackages of gpt2_max), floor by floor."""
+
+
+def drawn_core() -> set[str]:
+    """The rooms the drawing sets in bold (`**...**`, several rooms to a pair)."""
+    text = PORTING.read_text()
+    start = text.index(" floor  rooms")
+    drawing = text[start: text.index("```", start)]
+    bold = " ".join(re.findall(r"\*\*(.+?)\*\*", drawing)).split()
+    return {name.removesuffix(".py").removesuffix("/") for name in bold}
 
 
 def room(module: str) -> str:
@@ -83,6 +93,11 @@ def test_every_room_is_on_a_floor() -> None:
     rooms = {r for r in rooms if not r.startswith(("_", ".")) or r == "__init__"}
     rooms -= {"gpt2_tokenizer"}  # data, not code
     assert rooms <= set().union(*FLOORS), rooms - set().union(*FLOORS)
+
+
+def test_the_rooms_the_template_drops_are_the_ones_not_in_bold() -> None:
+    dropped = {room for room in OPTIONAL if "/" not in room}
+    assert dropped == set().union(*FLOORS) - drawn_core()
 
 
 def test_no_import_points_up_a_floor() -> None:

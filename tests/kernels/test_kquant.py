@@ -42,32 +42,47 @@ again; "auto" is it on a CPU with VNNI). The every-shape test runs each named on
 the served model "auto"."""
 
 
+DOTS = {
+    encoding: ("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS
+    else ("float32", "int8", "int8x2") if encoding in INT8_32 else ("auto",)
+    for encoding in sorted(KERNEL_TYPES)
+}
+"""The dots each type is checked with on every shape."""
+
 CASES = [
     (encoding, dot, k, n)
-    for encoding in sorted(KERNEL_TYPES)
-    for dot in (
-        ("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS
-        else ("float32", "int8", "int8x2") if encoding in INT8_32 else ("auto",)
-    )
+    for encoding, dots in DOTS.items()
+    for dot in dots
     for k, n in SHAPES + (SMALL_BLOCK_SHAPES if block_geometry(encoding)[0] == 32 else ())
 ]
 
 
+def compiled_dots(encoding: str) -> tuple[str, ...]:
+    """The dots the tests here run on `encoding`: its `DOTS`, and those the rounding
+    and batching tests name."""
+    named = tuple(ROUNDED) if encoding in K_QUANTS + INT8_32 else ("auto",)
+    return DOTS[encoding] + tuple(d for d in named if d not in DOTS[encoding])
+
+
 @functools.cache
-def ops(encoding: str, dot: str):
-    """Both ops for one block type and dot, compiled once over symbolic shapes."""
+def ops(encoding: str):
+    """Both ops of every dot of one block type, compiled once over symbolic shapes,
+    in one graph: a compile costs far more than a run of these sizes. Each dot reads
+    an `x` of its own, so a run gives the dot asked for its rows and the others one
+    row of zeros."""
     cpu = DeviceRef.CPU()
-    x = TensorType(DType.float32, ["m", "k"], cpu)
+    dots = compiled_dots(encoding)
     w = TensorType(DType.uint8, ["n", "row_bytes"], cpu)
     b = TensorType(DType.float32, ["n"], cpu)
-    with Graph(f"packed_linear_{encoding}_{dot}", input_types=[x, w, b]) as linear:
-        inputs = (v.tensor for v in linear.inputs)
-        linear.output(kernels.packed_linear(encoding, *inputs, dot=dot))
-    with Graph(f"packed_matmul_{encoding}_{dot}", input_types=[x, w]) as matmul:
-        inputs = (v.tensor for v in matmul.inputs)
-        matmul.output(kernels.packed_matmul(encoding, *inputs, dot=dot))
-    session = InferenceSession(devices=[CPU()])
-    return session.load(linear), session.load(matmul)
+    xs = [TensorType(DType.float32, [f"m_{dot}", "k"], cpu) for dot in dots]
+    with Graph(f"packed_{encoding}", input_types=[w, b, *xs]) as graph:
+        w, b, *xs = (v.tensor for v in graph.inputs)
+        graph.output(*(
+            op for dot, x in zip(dots, xs, strict=True)
+            for op in (kernels.packed_matmul(encoding, x, w, dot=dot),
+                       kernels.packed_linear(encoding, x, w, b, dot=dot))
+        ))
+    return dots, InferenceSession(devices=[CPU()]).load(graph)
 
 
 def float_atol(k: int) -> float:
@@ -91,11 +106,15 @@ def rounding_block(encoding: str) -> int:
     return block_geometry(encoding)[0]
 
 
-def run(encoding: str, dot: str, x, blocks, b=None) -> np.ndarray:
-    linear, matmul = ops(encoding, dot)
-    if b is None:
-        return matmul.execute(Buffer.from_numpy(x), Buffer.from_numpy(blocks))[0].to_numpy()
-    return linear.execute(*map(Buffer.from_numpy, (x, blocks, b)))[0].to_numpy()
+def run(encoding: str, dot: str, x, blocks, b=None) -> tuple[np.ndarray, np.ndarray]:
+    """`x @ W.T` and `x @ W.T + b` (b zero if not given) through the kernel with `dot`."""
+    dots, model = ops(encoding)
+    idle = np.zeros((1, x.shape[1]), dtype=np.float32)
+    xs = [x if d == dot else idle for d in dots]
+    b = np.zeros(blocks.shape[0], dtype=np.float32) if b is None else b
+    out = model.execute(*map(Buffer.from_numpy, (blocks, b, *xs)))
+    at = 2 * dots.index(dot)
+    return out[at].to_numpy(), out[at + 1].to_numpy()
 
 
 @pytest.mark.parametrize("encoding, dot, k, n", CASES)
@@ -112,10 +131,9 @@ def test_matches_numpy_on_dequantized_weights(encoding, dot, k, n):
         rounded = encoding in K_QUANTS + INT8_32 and dot in ROUNDED
         rounding = int8_atol(x, w, rounding_block(encoding)) / ROUNDED[dot] if rounded else 0
         atol = float_atol(k) + rounding
-        got = run(encoding, dot, x, blocks)
-        assert np.all(np.abs(got - exact) <= atol), f"matmul m={m}"
-        got = run(encoding, dot, x, blocks, b)
-        assert np.all(np.abs(got - exact - b) <= atol), f"linear m={m}"
+        matmul, linear = run(encoding, dot, x, blocks, b)
+        assert np.all(np.abs(matmul - exact) <= atol), f"matmul m={m}"
+        assert np.all(np.abs(linear - exact - b) <= atol), f"linear m={m}"
 
 
 @pytest.mark.parametrize("encoding", K_QUANTS + INT8_32)
@@ -135,7 +153,7 @@ def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
     x[1, :256] = 0
     exact = x.astype(np.float64) @ w.T
     for dot, finer in ROUNDED.items():
-        got = run(encoding, dot, x, blocks)
+        got, _ = run(encoding, dot, x, blocks)
         assert np.all(np.isfinite(got))
         bound = float_atol(k) * 1e-2 + int8_atol(x, w, rounding_block(encoding)) / finer
         assert np.all(np.abs(got - exact) <= bound), dot
@@ -155,4 +173,5 @@ def test_a_row_comes_out_the_same_whatever_it_is_batched_with(encoding):
     together = run(encoding, "auto", x, blocks, b)
     for rows in (slice(0, 1), slice(5, 7), slice(64, 69), slice(128, 131)):
         alone = run(encoding, "auto", np.ascontiguousarray(x[rows]), blocks, b)
-        np.testing.assert_array_equal(alone, together[rows])
+        for one, batched in zip(alone, together, strict=True):
+            np.testing.assert_array_equal(one, batched[rows])
