@@ -30,10 +30,9 @@ def fake_max_release(folder: Path, version: str = OTHER_RELEASE) -> Path:
     return folder
 
 
-def on_path(env: dict[str, str], folder: Path) -> dict[str, str]:
-    """`env` with `folder` first on its `PYTHONPATH`."""
-    path = [str(folder), env.get("PYTHONPATH")]
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+def first_on_path(folder: Path) -> str:
+    """A `PYTHONPATH` with `folder` first, then this process's."""
+    return os.pathsep.join(p for p in [str(folder), os.environ.get("PYTHONPATH")] if p)
 
 
 PROBE = """
@@ -64,15 +63,16 @@ print("fast-forward", fast_forward.enabled())
 """
 
 
-def probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def probe(**env: str) -> subprocess.CompletedProcess[str]:
+    """The probe run in a fresh interpreter, with fast-forward asked for."""
     return subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=300,
-        env={**env, setting("fast_forward").variable: "1"},
+        env=child_env(**{setting("fast_forward").variable: "1"}, **env),
     )
 
 
 def test_on_the_checked_release_every_shim_is_installed():
-    out = probe(child_env())
+    out = probe()
     assert "installed again True" in out.stdout
     assert "patched ['empty prompts', 'queue', 'sampler', 'stop strings', 'structured output', " \
         "'weight files']" in out.stdout
@@ -81,7 +81,7 @@ def test_on_the_checked_release_every_shim_is_installed():
 
 
 def test_on_another_release_the_package_imports_with_no_shim_and_one_warning(tmp_path):
-    out = probe(on_path(child_env(), fake_max_release(tmp_path)))
+    out = probe(PYTHONPATH=first_on_path(fake_max_release(tmp_path)))
     assert f"version {OTHER_RELEASE}" in out.stdout
     assert "installed again False" in out.stdout
     assert "patched []" in out.stdout
