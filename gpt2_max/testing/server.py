@@ -232,12 +232,24 @@ class Server:
         return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
 
 
+NO_TELEMETRY_ENV = "MAX_SERVE_DISABLE_TELEMETRY"
+"""MAX's setting that turns its telemetry off, its metrics endpoint with it."""
+
+
 def steps_run(metrics_url: str) -> int:
     """The steps (batches) a server has run: MAX's `maxserve.batch_size` histogram
     count on its metrics endpoint, read once it stops changing (the worker
     reports through MAX's telemetry process, a moment after each step)."""
     def read() -> int:
-        text = httpx.get(metrics_url, timeout=5).text
+        try:
+            text = httpx.get(metrics_url, timeout=5).text
+        except httpx.ConnectError as error:
+            if os.environ.get(NO_TELEMETRY_ENV, "").strip() not in ("", "0"):
+                raise RuntimeError(
+                    f"{metrics_url} refuses connections: {NO_TELEMETRY_ENV} is set in this "
+                    "environment, which turns MAX's metrics endpoint off; unset it to count steps."
+                ) from error
+            raise
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("maxserve_batch_size_count")))
 

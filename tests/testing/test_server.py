@@ -5,10 +5,12 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -147,3 +149,17 @@ def test_children_find_this_interpreter_first_on_path():
         folder, "/usr/bin", "/bin"
     ]
     assert server.child_env()["PATH"].split(os.pathsep)[0] == folder
+
+
+def test_steps_run_says_when_telemetry_is_off(monkeypatch):
+    """With MAX's telemetry off its metrics endpoint is not served: counting steps says
+    why instead of a bare connection error."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}/metrics"
+    monkeypatch.setenv(server.NO_TELEMETRY_ENV, "1")
+    with pytest.raises(RuntimeError, match=f"{server.NO_TELEMETRY_ENV} is set"):
+        server.steps_run(closed)
+    monkeypatch.delenv(server.NO_TELEMETRY_ENV)
+    with pytest.raises(httpx.ConnectError):
+        server.steps_run(closed)
