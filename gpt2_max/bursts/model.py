@@ -29,7 +29,6 @@ T = TypeVar("T")
 
 ENV = setting("decode_steps").variable
 
-
 BUDGET_ENV = setting("burst_ms").variable
 """A burst starts no step that would end (if it took as long as the one before)
 past this many milliseconds from the burst's start. What a burst saves is MAX's

@@ -162,11 +162,12 @@ class Generator:
         base = Options.parse(options)
         if best_of:
             base = dataclasses.replace(base, logprobs=max(base.logprobs, 1))
+        stride = row_seed_stride()
         rows = self._requests.rows(
             [prompt] * count,
             max_new_tokens,
             base,
-            seeds=[base.seed + i * row_seed_stride() for i in range(count)],
+            seeds=[base.seed + i * stride for i in range(count)],
         )
         # Only full pages are shared, so a prompt within one page is not worth a prefill.
         if count > 1 and rows[0].context.tokens.prompt_length > self.page_size:

@@ -23,6 +23,7 @@ from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
 from ..settings import settings
+from ..weights.schema import PROJECTIONS
 from . import Layers
 from .attention import GPT2Attention
 from .block import GPT2Block
@@ -69,8 +70,7 @@ class FastLayers(Layers):
         """A `FusedBlock` where the op covers the block: float projections of one dtype
         (each with its bias), a tanh GELU, float32 LayerNorms; else the modules."""
         config = self.config
-        names = [f"h.{layer_idx}.{p}.weight"
-                 for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+        names = [f"h.{layer_idx}.{p}.weight" for p in PROJECTIONS]
         fused = (
             settings().fuse_blocks
             and config.activation == "gelu_tanh"
