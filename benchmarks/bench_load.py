@@ -4,6 +4,9 @@ file, the same cores and the same seeded workload, at each concurrency.
 
     PYTHONPATH=. python benchmarks/bench_load.py     # nothing else running
     PYTHONPATH=. python benchmarks/bench_load.py --types f32 --concurrency 8
+    PYTHONPATH=. python benchmarks/bench_load.py --types f32 --concurrency 1,8 \
+        --variant burst-100ms:GPT2_MAX_BURST_MS=100 \
+        --variant in-flight:--enable-in-flight-batching
 
 The client keeps `--concurrency` requests in flight (random prompts of
 `--input-len` tokens, `--output-len` generated, `--seed`ed), so requests start
@@ -15,6 +18,11 @@ request in flight and every core. Reported per server and concurrency: total
 output throughput, mean TTFT and TPOT, mean and p50 inter-token latency (the
 gaps a streaming client sees), failed requests; and the ratios against
 llama-server. The figures also go to `results/` as JSON.
+
+Each `--variant LABEL:ITEM,ITEM...` is one more `max serve` of the package on the
+same file and workload, README's settings plus its items (an environment setting
+`KEY=VALUE` or a flag `--flag`), with a row and a ratio of its own beside the one
+llama-server run: so each setting can be measured alone in one run.
 """
 
 from __future__ import annotations
@@ -85,13 +93,24 @@ def request_tokens(args: argparse.Namespace) -> int:
     return math.ceil((args.input_len + args.output_len + 1) / KV_PAGE) * KV_PAGE
 
 
-def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path) -> dict:
+def variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """`LABEL:ITEM,ITEM...` -> (label, environment, flags): an item with `=` and no
+    leading `--` is a setting, any other a flag."""
+    label, _, items = spec.partition(":")
+    parts = [item for item in items.split(",") if item]
+    env = dict(item.split("=", 1) for item in parts if "=" in item and not item.startswith("--"))
+    return label, env, [item for item in parts if item.startswith("--")]
+
+
+def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path,
+            label: str, env: dict[str, str], extra: list[str]) -> dict:
     top = max(args.concurrency)
     flags = ("--weight-path", str(gguf), "--max-batch-size", str(top),
-             "--max-batch-total-tokens", str(top * request_tokens(args)), *args.serve_arg)
-    with max_serve(gguf.parent, *flags, log=scratch / f"max-{gguf.stem}.log",
-                   env={**SERVE_ENV, **dict(e.split("=", 1) for e in args.serve_env)}) as server:
-        return {c: client(server.url, tokenizer, c, args, scratch / f"max-{gguf.stem}-{c}.json")
+             "--max-batch-total-tokens", str(top * request_tokens(args)), *extra)
+    name = f"{label}-{gguf.stem}"
+    with max_serve(gguf.parent, *flags, log=scratch / f"{name}.log",
+                   env={**SERVE_ENV, **env}) as server:
+        return {c: client(server.url, tokenizer, c, args, scratch / f"{name}-{c}.json")
                 for c in args.concurrency}
 
 
@@ -113,9 +132,14 @@ def table(results: dict, args: argparse.Namespace, cpu: str) -> str:
             for name, runs in servers.items():
                 cells = [f"{runs[c][k]:,.1f}" for k in FIGURES]
                 lines.append(f"| {file_type} | {c} | {name} | " + " | ".join(cells) + " |")
-            ours, theirs = servers["gpt2-max"][c], servers["llama-server"][c]
-            ratio = [f"{ours[k] / theirs[k]:.2f}x" if theirs[k] else "-" for k in FIGURES]
-            lines.append(f"| {file_type} | {c} | ratio | " + " | ".join(ratio) + " |")
+            theirs = servers["llama-server"][c]
+            for name, runs in servers.items():
+                if name == "llama-server":
+                    continue
+                ours = runs[c]
+                ratio = [f"{ours[k] / theirs[k]:.2f}x" if theirs[k] else "-" for k in FIGURES]
+                label = "ratio" if len(servers) == 2 else f"{name} / llama-server"
+                lines.append(f"| {file_type} | {c} | {label} | " + " | ".join(ratio) + " |")
     return "\n".join(lines)
 
 
@@ -135,7 +159,12 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                         help="add to max serve's flags (repeatable), e.g. "
                         "--serve-arg=--enable-in-flight-batching")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:ITEMS",
+                        help="one more max serve: README's settings plus ITEMS (comma-"
+                        "separated KEY=VALUE settings and --flags), labelled (repeatable)")
     args = parser.parse_args()
+    variants = [("gpt2-max", dict(e.split("=", 1) for e in args.serve_env), args.serve_arg)]
+    variants += [variant(spec) for spec in args.variant]
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
         write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
@@ -144,9 +173,10 @@ def main() -> None:
     for file_type in args.types.split(","):
         gguf = gguf_file(checkpoint, file_type)
         results[file_type] = {
-            "gpt2-max": run_max(gguf, checkpoint, args, scratch),
-            "llama-server": run_llama(gguf, checkpoint, args, scratch),
+            label: run_max(gguf, checkpoint, args, scratch, label, env, extra)
+            for label, env, extra in variants
         }
+        results[file_type]["llama-server"] = run_llama(gguf, checkpoint, args, scratch)
         print(table({file_type: results[file_type]}, args, cpu_model()), flush=True)
     report = table(results, args, cpu_model())
     print(report)

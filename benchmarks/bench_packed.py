@@ -28,8 +28,8 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
 from gpt2_max.encodings import BLOCK_FLAGS
+from gpt2_max.gguf.quants import quantize
 from gpt2_max.layers import kernel_choice, qmatmul
-from gpt2_max.weights.gguf_quants import quantize
 
 D, FF = kernel_choice.D, kernel_choice.FF
 

@@ -11,7 +11,7 @@ from .memory_planner import TokenBudgetMemoryPlanner
 from .model import GPT2PipelineModel
 from .model_config import GPT2ArchConfig
 from .tokenizer import GPT2TextTokenizer
-from .weights import gguf, safetensors
+from .weights.formats import formats
 
 gpt2_arch = SupportedArchitecture(
     name="GPT2LMHeadModel",
@@ -28,10 +28,7 @@ gpt2_arch = SupportedArchitecture(
     tokenizer=GPT2TextTokenizer,
     context_type=extensions.context_type(TextContext),
     default_weights_format=WeightsFormat.safetensors,
-    weight_adapters={
-        WeightsFormat.safetensors: safetensors.convert_safetensor_state_dict,
-        WeightsFormat.gguf: gguf.convert_gguf_state_dict,
-    },
+    weight_adapters={format.name: format.adapter for format in formats()},
     task=PipelineTask.TEXT_GENERATION,
     config=GPT2ArchConfig,
     batching=GPT2BatchProcessor,

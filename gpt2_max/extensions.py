@@ -1,14 +1,19 @@
-"""The one seam through which an optional room of the package extends the pipeline model.
+"""The one seam through which an optional room of the package extends the core.
 
-The core (`arch`, `model`, the network, the plain layers, the weights) serves GPT-2
-exactly on its own. A speed feature that changes how the model loads or runs a step
-is a room of its own that the core never imports: it is named in `ROOMS`, imported
-by name when it is there, and hands the model one `Extension`, whose hooks wrap
-the model's load and each `execute` (composition: the model calls them in turn,
-outermost first; no room is a base class of the model). A room may also give the
-architecture its context type. A copy of the package that deletes a room loses that
-room's feature and nothing else; a room that is there but fails to import fails the
-start, as any import would.
+The core (`arch`, `model`, the network, the plain layers, the safetensors weights)
+serves GPT-2 exactly on its own. A feature beyond it (a speed policy that changes
+how the model loads or runs a step, another weight format) is a room of its own
+that the core never imports: it is named in `ROOMS`, imported by name when it is
+there, and offers what it adds under agreed names, each optional:
+
+- `extend(model)`: one `Extension` for the pipeline model, whose hooks wrap the
+  model's load and each `execute` (composition: the model calls them in turn,
+  outermost first; no room is a base class of the model);
+- `context_type(base)`: the architecture's context type, made from `base`;
+- `WEIGHT_FORMAT`: a `weights.formats.WeightFormat` the architecture loads.
+
+A copy of the package that deletes a room loses that room's feature and nothing
+else; a room that is there but fails to import fails the start, as any import would.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from typing import Any, TypeVar
 
 from .names import PACKAGE
 
-ROOMS = ("bursts", "cpu_runtime")
-"""The rooms that extend the model, outermost first: decode bursts run several of the
-runtime policy's steps."""
+ROOMS = ("bursts", "cpu_runtime", "gguf")
+"""The rooms, in the order their extensions wrap the model, outermost first: decode
+bursts run several of the runtime policy's steps."""
 
 T = TypeVar("T")
 
@@ -71,3 +76,8 @@ def context_type(base: type) -> type:
     for room in rooms():
         base = getattr(room, "context_type", lambda base: base)(base)
     return base
+
+
+def weight_formats() -> list[Any]:
+    """The weight formats the rooms add (`weights.formats`)."""
+    return [room.WEIGHT_FORMAT for room in rooms() if hasattr(room, "WEIGHT_FORMAT")]

@@ -10,9 +10,9 @@ the `GPT2Inputs` that `GPT2BatchProcessor` prepares.
 The optional rooms that change how it loads and steps (decode bursts, the runtime
 policy) plug in through one seam, `extensions`: the model calls their hooks around
 its own load and each execute, and imports none of them.
-MAX's `LogProbabilitiesMixin` adds log-probabilities from the logits the graph
-returns, its graph compiled by the first request that asks for them
-(`shims.log_probabilities`) rather than at every start.
+Log-probabilities are MAX's, computed by a `LogProbabilities` the model owns,
+whose graph the first request that asks for them compiles (`log_probabilities`)
+rather than every start.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from max.driver import Buffer
+from max.engine import InferenceSession
 from max.nn.transformer import ReturnLogits
+from max.pipelines.context import LogProbabilities as TokenLogProbabilities
 from max.pipelines.context import TextContext
 from max.pipelines.lib import ModelInputs, ModelOutputs, ModuleV3PipelineModelWithKVCache
 
@@ -33,13 +36,12 @@ from . import extensions, shims
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
 from .layers import layers_for, uses_fast_layers
+from .log_probabilities import LogProbabilities
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .names import PACKAGE
-from .shims.log_probabilities import LazyLogProbabilities
 from .tokenizer import GPT2TextTokenizer
-from .weights.files import check_complete
-from .weights.mapping import release
+from .weights.formats import check_complete, release
 from .weights.plan import WeightPlan
 
 logger = logging.getLogger("max.pipelines")
@@ -73,14 +75,13 @@ def announce_compile(encoding: object, on_host: bool = True) -> None:
     )
 
 
-class GPT2PipelineModel(LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[TextContext]):
+class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching.
 
     `_create_model_config`, `_prepare_state_dict` and `_instantiate_module` are what
     MAX asks of a ModuleV3 architecture. `extensions` holds the optional rooms'
     hooks (`gpt2_max.extensions`), which `load_model` and `execute` call around
-    MAX's own; log-probabilities are MAX's, compiled on first use
-    (`shims.log_probabilities`).
+    MAX's own; `log_probabilities` answers the requests that ask for them.
     """
 
     model_config_cls: ClassVar[type[Any]] = GPT2ArchConfig
@@ -91,10 +92,11 @@ class GPT2PipelineModel(LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[T
         self.extensions = extensions.extensions_for(self)
         self._step: Callable[[ModelInputs], ModelOutputs] = super().execute
         super().__init__(*args, **kwargs)
+        self.log_probabilities = LogProbabilities(self.devices[0])
 
     def load_model(self) -> Callable[..., Any]:
         """Says a first compile takes minutes, compiles (inside the extensions' load
-        hooks), then lets the checkpoint's file go (`weights.mapping`)."""
+        hooks), then lets the checkpoint's file go (`weights.formats`)."""
         announce_compile(
             self.pipeline_config.model.quantization_encoding, self.devices[0].is_host
         )
@@ -112,6 +114,21 @@ class GPT2PipelineModel(LazyLogProbabilities, ModuleV3PipelineModelWithKVCache[T
     def execute(self, model_inputs: ModelInputs) -> ModelOutputs:
         """One step: MAX's, inside the extensions' execute hooks, outermost first."""
         return self._step(model_inputs)
+
+    def compute_log_probabilities(
+        self,
+        session: InferenceSession,
+        model_inputs: ModelInputs,
+        model_outputs: ModelOutputs,
+        next_tokens: Buffer,
+        batch_top_n: list[int],
+        batch_echo: list[bool],
+    ) -> list[TokenLogProbabilities | None]:
+        """What MAX's text pipeline calls for a batch with rows that ask for them."""
+        return self.log_probabilities.compute(
+            session, model_inputs, model_outputs, next_tokens, batch_top_n, batch_echo,
+            self.return_logits,
+        )
 
     def takes(self, part: str) -> bool:
         """Whether an extension wants `part` of MAX handed over (`Extension.takes`)."""

@@ -32,7 +32,8 @@ from typing_extensions import Self, override
 from . import encodings
 from .names import PACKAGE
 from .shims.internals import quantization_encoding
-from .weights.files import check_complete, tokenizer_files_named
+from .weights.files import tokenizer_files_named
+from .weights.formats import check_complete
 from .weights.plan import WeightPlan
 from .weights.schema import feed_forward_size, ties_word_embeddings
 

@@ -57,7 +57,7 @@ def drawn_core() -> set[str]:
 
 
 def room(module: str) -> str:
-    """`weights` for `gpt2_max.weights.gguf`, `gpt2` for `gpt2_max.gpt2`."""
+    """`weights` for `gpt2_max.weights.schema`, `gpt2` for `gpt2_max.gpt2`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

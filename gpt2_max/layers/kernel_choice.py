@@ -46,7 +46,6 @@ from ..kernels.package import source_hash
 from ..max_cache import max_cache_dir
 from ..names import PACKAGE
 from ..settings import setting, settings
-from ..weights.gguf_quants import quantize
 from . import qmatmul
 
 logger = logging.getLogger("max.pipelines")
@@ -134,6 +133,10 @@ def _read(path: Path) -> dict:
 def measure(encoding: str, *, rounds: int = 3) -> Choice:
     """Times both kernels on `LAYERS` MLP pairs of random `encoding` weights and picks
     one by `REQUEST`'s cost (decode steps plus prefill chunks)."""
+    # Packed weights come only from GGUF files, so the room that reads them is here
+    # whenever this runs; imported here so a copy without it still loads these layers.
+    from ..gguf.quants import quantize
+
     rng = np.random.default_rng(0)
     qtype = GGMLQuantizationType[encoding.upper()]
     pair = [quantize(rng.standard_normal(s, dtype=np.float32), qtype) for s in ((FF, D), (D, FF))]

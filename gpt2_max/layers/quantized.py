@@ -71,7 +71,7 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
 def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
     """`state_dict` with every packed weight bound for MAX's kernel in the layout it
     reads (unchanged when there is none), each copied into memory the model keeps,
-    in huge pages as the adapters' copies are (`weights/mapping.py`)."""
+    in huge pages as the adapters' copies are (`weights/formats.py`)."""
     bound = {
         n: (w, kind) for n, w in state_dict.items()
         if (kind := block_type(w)) is not None and uses_max_kernel(kind)

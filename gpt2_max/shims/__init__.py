@@ -7,12 +7,12 @@ and why, so nothing else in the package imports a private MAX name:
 
 - `internals`: private MAX names and behaviours read directly (the memory
   estimator's free-memory query, the quantization-encoding resolver, the GGUF
-  reader under `GGUFWeights`, the quantized CPU kernels' op names, the row-seed
-  stride of MAX's generate loop, a graph tensor's value, a token buffer's
-  processing window, the server's grammar backend factory, the chat route's
-  conversion of an OpenAI `response_format`, the sampler's inputs, seeds,
-  masks and call as the text pipeline makes them, and a poll of the model
-  worker's request queue).
+  reader under `GGUFWeights`, the log-probabilities graph's heap depth, the
+  quantized CPU kernels' op names, the row-seed stride of MAX's generate loop, a
+  graph tensor's value, a token buffer's processing window, the server's grammar
+  backend factory, the chat route's conversion of an OpenAI `response_format`,
+  the sampler's inputs, seeds, masks and call as the text pipeline makes them,
+  and a poll of the model worker's request queue).
 - `completion_prompts`: a completions body with no prompt, or with several
   prompts and `stream`, answered 400 naming the cause (MAX 26.7 answers 500).
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
@@ -24,8 +24,6 @@ and why, so nothing else in the package imports a private MAX name:
 - `fast_forward`: opt-in fast-forward tokens under `max serve`
   (`GPT2_MAX_FAST_FORWARD=1`), a `TextContext` subclass registered as the
   architecture's context type.
-- `log_probabilities`: MAX's log-probabilities mixin with its graph compiled on
-  first use instead of at every start.
 - `shared_sampler`: the text pipeline's token sampler handed to a pipeline
   model that asks for it (`takes`, `hand_over`), whose decode bursts
   (`gpt2_max.bursts`) sample with it.

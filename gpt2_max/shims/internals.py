@@ -28,6 +28,13 @@ def row_seed_stride() -> int:
     return _ROW_SEED_STRIDE
 
 
+def log_probabilities_heap_levels() -> int:
+    """The heap depth MAX's `LogProbabilitiesMixin` builds its log-probabilities graph with."""
+    from max.pipelines.lib.log_probabilities import _LOGPROBS_HEAP_LEVELS
+
+    return _LOGPROBS_HEAP_LEVELS
+
+
 def free_memory(devices: list[Device]) -> int:
     """Free memory on `devices` as MAX's memory estimator sees it (the host's, on the CPU)."""
     from max.pipelines.lib.memory_estimation import MemoryEstimator

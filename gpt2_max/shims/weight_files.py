@@ -5,7 +5,7 @@ MAX picks the encoding of a checkpoint by reading each safetensors header
 debug line only, and then refuses the checkpoint with "compatible weights cannot
 be found for 'float32'", which names neither the file nor what is wrong with it
 (a length field that claims more than the file holds, a header that is not
-JSON). The package's own check of weight files (`weights.files.check_complete`,
+JSON). The package's own check of weight files (`weights.formats.check_complete`,
 also run when the architecture's config is built) names both, so this module
 runs it first: it wraps `PipelineConfig._model_with_resolved_weights`, the step
 that resolves a model's weights and encoding for its architecture, and hands

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from gpt2_max.gguf.names import hub_name
 from gpt2_max.model_config import GPT2_VOCAB_SIZE, usable_vocab_size
 from gpt2_max.tools.checkpoint import (
     TOKENIZER_DIR,
@@ -29,7 +30,6 @@ from gpt2_max.tools.checkpoint import (
     save_hub_checkpoint,
 )
 from gpt2_max.tools.gguf_writer import write_gguf
-from gpt2_max.weights.gguf_names import hub_name
 from gpt2_max.weights.schema import is_projection_weight
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_positions=1024)

@@ -18,8 +18,8 @@ import gguf
 import numpy as np
 from transformers import GPT2Config
 
+from ..gguf.adapter import check_architecture, metadata
 from ..tokenizer import copy_tokenizer
-from ..weights.gguf import check_architecture, metadata
 
 BOS, EOS = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
 GPT2_DEFAULTS = GPT2Config()

@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType
 from transformers import GPT2Config
 
-from ..weights.gguf_names import gguf_name
-from ..weights.gguf_quants import QK_K, quantize
+from ..gguf.names import gguf_name
+from ..gguf.quants import QK_K, quantize
 from ..weights.schema import CAUSAL_MASK_BUFFERS, is_projection_weight
 
 """Block layers the hub stores `[in, out]`; GGUF stores them `[out, in]`."""

@@ -3,18 +3,18 @@
 MAX memory-maps safetensors files and reads tensors where the header points;
 in a truncated file (an interrupted download or copy) that is past the end of
 the mapping, and the model worker dies of a segmentation fault with no word
-about the file. A truncated GGUF stops the start with numpy's words instead
-(`weights/gguf_extent.py`). The header alone tells how long the file must be.
+about the file. The header alone tells how long the file must be. Each format
+checks its own files (`formats.WeightFormat.check`; GGUF's: `gguf/extent.py`),
+raising `IncompleteCheckpointError`; `formats.check_complete` runs each file's.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .gguf_extent import check_gguf_length
 from .schema import CheckpointError
 
 HEADER_LENGTH_BYTES = 8
@@ -121,26 +121,20 @@ def safetensors_length(path: Path) -> int:
     return HEADER_LENGTH_BYTES + header_length + data
 
 
-def check_complete(paths: Iterable[Path]) -> None:
-    """Raises `IncompleteCheckpointError` naming the first truncated weight file."""
-    for path in paths:
-        if path.suffix == ".gguf":
-            if problem := check_gguf_length(path):
-                raise IncompleteCheckpointError(problem)
-            continue
-        if path.suffix != ".safetensors":
-            continue
-        size = path.stat().st_size
-        try:
-            expected = safetensors_length(path)
-        except IncompleteCheckpointError:
-            raise
-        except (ValueError, KeyError, TypeError, IndexError) as error:
-            raise IncompleteCheckpointError(
-                f"{path.name} has no readable safetensors header ({error})."
-            ) from error
-        if size < expected:
-            raise IncompleteCheckpointError(
-                f"{path.name} is truncated: its header describes {expected} bytes, "
-                f"the file has {size}."
-            )
+def check_safetensors(path: Path) -> None:
+    """Raises `IncompleteCheckpointError` if the safetensors file at `path` is damaged
+    or shorter than its header says."""
+    try:
+        expected = safetensors_length(path)
+    except IncompleteCheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise IncompleteCheckpointError(
+            f"{path.name} has no readable safetensors header ({error})."
+        ) from error
+    size = path.stat().st_size
+    if size < expected:
+        raise IncompleteCheckpointError(
+            f"{path.name} is truncated: its header describes {expected} bytes, "
+            f"the file has {size}."
+        )

@@ -1,6 +1,6 @@
 """How the loaded weights are held, read off the state dict the adapter returned.
 
-An adapter decides each tensor's form (`weights/gguf.py`: GGUF blocks stay
+An adapter decides each tensor's form (`gguf/adapter.py`: GGUF blocks stay
 packed where MAX or the package has a kernel, F16 matrices stay float16); the model then
 builds, for each parameter, a layer that holds it in that form. `WeightPlan`
 is that decision as the model sees it, so nothing past `weights/` needs to

@@ -29,7 +29,7 @@ from .schema import CAUSAL_MASK_BUFFERS, CheckpointError, is_projection_weight, 
 
 
 def _as_float32(name: str, weight: WeightData, transpose: bool) -> WeightData:
-    """The tensor as float32 in an array of its own (see `mapping.py`), maybe transposed.
+    """The tensor as float32 in an array of its own (see `formats.py`), maybe transposed.
 
     Float32 is exact for float16 and bfloat16 tensors and is what the CPU's graph
     reads (MAX's CPU path has no half precision); the plain layers cast it on to a

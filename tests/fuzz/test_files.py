@@ -35,13 +35,12 @@ from gpt2_max.model_config import GPT2ArchConfig
 from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import TINY, save_gguf, write_tiny_checkpoint
 from gpt2_max.tokenizer import GPT2TextTokenizer
-from gpt2_max.weights import gguf, safetensors
 from gpt2_max.weights.files import TOKENIZER_FILES
+from gpt2_max.weights.formats import formats
 
 pytestmark = pytest.mark.tier("fuzz")
 
-ADAPTERS = {".safetensors": safetensors.convert_safetensor_state_dict,
-            ".gguf": gguf.convert_gguf_state_dict}
+ADAPTERS = {format.suffix: format.adapter for format in formats()}
 
 
 def open_checkpoint(folder: Path) -> None:

@@ -1,6 +1,6 @@
 """The packed-weight kernel against NumPy on the `gguf` package's dequantization.
 
-Weights are quantized by `weights.gguf_quants` (ggml's byte layout) and read back
+Weights are quantized by `gpt2_max.gguf.quants` (ggml's byte layout) and read back
 by `gguf.quants.dequantize`, an implementation independent of the kernel's: the
 kernel must equal the float matmul over those weights up to float32 summation order,
 or, where it rounds the activations to int8 (`dot="int8"`), up to what that rounding
@@ -21,7 +21,7 @@ from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
 from gpt2_max.encodings import KERNEL_TYPES, block_geometry
-from gpt2_max.weights.gguf_quants import quantize
+from gpt2_max.gguf.quants import quantize
 
 pytestmark = pytest.mark.tier("model")
 

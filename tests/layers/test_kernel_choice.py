@@ -12,10 +12,10 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 
 from gpt2_max.encodings import BLOCK_FLAGS
+from gpt2_max.gguf.quants import quantize
 from gpt2_max.layers import kernel_choice, qmatmul
 from gpt2_max.layers.kernel_choice import KERNEL_ENV, Choice, choice, uses_max_kernel
 from gpt2_max.settings import settings
-from gpt2_max.weights.gguf_quants import quantize
 from tests.kernels.test_kquant import float_atol, int8_atol
 
 pytestmark = pytest.mark.tier("unit")

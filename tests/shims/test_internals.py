@@ -193,3 +193,10 @@ def test_the_scheduler_keeps_what_the_request_watch_reads():
                  "self._retrieve_pending_requests()\n", "self.batch_constructor.all_ce_reqs"):
         assert name in source, name
     assert internals.pipeline_model(object()) is None
+
+
+def test_the_log_probabilities_graph_is_built_at_the_mixins_heap_depth() -> None:
+    from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
+
+    assert isinstance(internals.log_probabilities_heap_levels(), int)
+    assert "levels=_LOGPROBS_HEAP_LEVELS" in inspect.getsource(LogProbabilitiesMixin.__init__)

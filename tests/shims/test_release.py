@@ -45,7 +45,7 @@ from max.serve.scheduler.text_generation_scheduler import TokenGenerationSchedul
 from gpt2_max import shims
 from gpt2_max.shims import fast_forward, release
 from gpt2_max.tokenizer import GPT2TextTokenizer
-from gpt2_max.weights.files import check_complete
+from gpt2_max.weights.formats import check_complete
 
 print("version", release.max_version())
 print("installed again", shims.install(GPT2TextTokenizer, check_complete))

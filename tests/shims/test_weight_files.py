@@ -8,7 +8,8 @@ from max.pipelines.lib.config.config import PipelineConfig
 from gpt2_max.shims import weight_files
 from gpt2_max.testing.reference import write_tiny_checkpoint
 from gpt2_max.tokenizer import GPT2TextTokenizer
-from gpt2_max.weights.files import IncompleteCheckpointError, check_complete
+from gpt2_max.weights.files import IncompleteCheckpointError
+from gpt2_max.weights.formats import check_complete
 
 pytestmark = pytest.mark.tier("unit")
 

@@ -14,6 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from transformers import GPT2Config
 
+from gpt2_max.gguf.names import gguf_name
+from gpt2_max.gguf.quants import quantize
 from gpt2_max.tools.checkpoint import (
     PRESETS,
     TOKENIZER_DIR,
@@ -23,8 +25,6 @@ from gpt2_max.tools.checkpoint import (
     write_checkpoint,
 )
 from gpt2_max.tools.gguf_writer import write_gguf
-from gpt2_max.weights.gguf_names import gguf_name
-from gpt2_max.weights.gguf_quants import quantize
 
 pytestmark = pytest.mark.tier("unit")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpt2_max.testing.reference import write_tiny_checkpoint
-from gpt2_max.weights.files import IncompleteCheckpointError, check_complete
+from gpt2_max.weights.files import IncompleteCheckpointError
+from gpt2_max.weights.formats import check_complete
 
 pytestmark = pytest.mark.tier("unit")
 

@@ -30,7 +30,7 @@ fastest the CPU has that keeps the float result:
   path of their own (`_tile_vnni32`, against x rounded per block of 32).
 int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
 llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
-projections of the Q4_K_M parity test (`tests/weights/test_gguf.py`) it costs greedy
+projections of the Q4_K_M parity test (`tests/gguf/test_adapter.py`) it costs greedy
 agreement with the float model, which the second term gives back.
 
 Formats (`fmt`, the GGML type id): Q4_0 (2), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12),

@@ -9,11 +9,12 @@ import gguf
 import pytest
 from transformers import GPT2Config
 
+from gpt2_max.gguf.extent import tensor_extents
 from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tools.checkpoint import random_hub_state_dict
 from gpt2_max.tools.gguf_writer import write_gguf
-from gpt2_max.weights.files import IncompleteCheckpointError, check_complete
-from gpt2_max.weights.gguf_extent import tensor_extents
+from gpt2_max.weights.files import IncompleteCheckpointError
+from gpt2_max.weights.formats import check_complete
 
 pytestmark = pytest.mark.tier("unit")
 

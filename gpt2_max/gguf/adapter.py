@@ -33,7 +33,9 @@ derives both from the file's metadata. The adapter checks that metadata against 
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 from typing import Any
 
 import gguf
@@ -42,21 +44,21 @@ from gguf import GGMLQuantizationType as Q
 from max.dtype import DType
 from max.graph import Shape
 from max.graph.quantization import QuantizationEncoding
-from max.graph.weights import WeightData, Weights
+from max.graph.weights import GGUFWeights, WeightData, Weights
 
 from ..encodings import PACKED_TYPES
 from ..names import PACKAGE
 from ..shims.internals import gguf_reader
-from .gguf_names import hub_name
-from .hugepages import hugepage_array
-from .plan import BlockWeightData
-from .schema import (
+from ..weights.hugepages import hugepage_array
+from ..weights.plan import BlockWeightData
+from ..weights.schema import (
     CheckpointError,
     feed_forward_size,
     is_projection_weight,
     match_tensors,
     ties_word_embeddings,
 )
+from .names import hub_name
 
 logger = logging.getLogger("max.pipelines")
 
@@ -196,3 +198,22 @@ def convert_gguf_state_dict(
         reader.data.nbytes / 2**20,
     )
     return converted
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(weights: GGUFWeights) -> None:
+    """Returns the file's pages to the kernel once every tensor has been copied out.
+
+    `GGUFWeights` has no `close()`: its reader keeps the whole file mapped for
+    the life of the process, and the pages the adapter read stay resident
+    beside the copies the model holds (`writable`). `MADV_DONTNEED` drops
+    them from this process; the mapping is a read-only view of the file, so a
+    later read would fault them back in from it.
+    """
+    data = gguf_reader(weights).data
+    if data.nbytes:
+        address = ctypes.c_void_p(data.ctypes.data)
+        if _libc.madvise(address, ctypes.c_size_t(data.nbytes), mmap.MADV_DONTNEED):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) on the GGUF mapping")

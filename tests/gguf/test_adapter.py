@@ -26,14 +26,14 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import load_weights
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from gpt2_max.gguf.adapter import convert_gguf_state_dict
+from gpt2_max.gguf.names import gguf_name
+from gpt2_max.gguf.quants import quantize
 from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_prompt
 from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tools.checkpoint import random_hub_state_dict
 from gpt2_max.tools.gguf_config import write_companion_files
 from gpt2_max.tools.gguf_writer import gguf_tensors, write_gguf, write_tensors
-from gpt2_max.weights.gguf import convert_gguf_state_dict
-from gpt2_max.weights.gguf_names import gguf_name
-from gpt2_max.weights.gguf_quants import quantize
 from gpt2_max.weights.plan import WeightPlan, block_type
 from gpt2_max.weights.schema import CheckpointError
 
@@ -126,7 +126,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 # own size.
 # Each file is a graph to compile: q4_k_m runs Q4_K and Q6_K blocks through
 # qmatmul and Q5_K through the package's kernel in one, the graph the served
-# test (`test_gguf_serve.py`) uses.
+# test (`test_serve.py`) uses.
 # The xl-rows model's Q4_K_M file holds Q5_0, Q5_1 and Q8_0 projections beside k-quants,
 # all multiplied packed (`XL_ROWS`).
 BOUNDS = {
