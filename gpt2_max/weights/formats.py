@@ -29,6 +29,8 @@ from .safetensors import convert_safetensor_state_dict
 
 @dataclass(frozen=True)
 class WeightFormat:
+    """One checkpoint format, as the architecture loads it."""
+
     name: WeightsFormat
     suffix: str
     """Of the format's files, as MAX finds them in a checkpoint folder."""
