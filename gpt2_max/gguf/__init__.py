@@ -14,27 +14,17 @@ safetensors alone. What is here:
   writers (the offline writer in `tools/` and the kernel timing in `layers/` use them).
 """
 
-from pathlib import Path
-
 from max.graph.weights import GGUFWeights, WeightsFormat
 
-from ..weights.files import IncompleteCheckpointError
 from ..weights.formats import WeightFormat
 from .adapter import convert_gguf_state_dict, release_pages
-from .extent import check_gguf_length
-
-
-def check(path: Path) -> None:
-    """Refuses a GGUF shorter than its header says, naming the file and the tensor."""
-    if problem := check_gguf_length(path):
-        raise IncompleteCheckpointError(problem)
-
+from .extent import check_length
 
 WEIGHT_FORMAT = WeightFormat(
     name=WeightsFormat.gguf,
     suffix=".gguf",
     adapter=convert_gguf_state_dict,
-    check=check,
+    check=check_length,
     weights=GGUFWeights,
     release=release_pages,
 )

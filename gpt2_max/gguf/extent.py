@@ -18,6 +18,8 @@ from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFValueType
 
+from ..weights.files import IncompleteCheckpointError
+
 _SCALARS = {
     GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b",
     GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
@@ -132,28 +134,32 @@ def tensor_extents(buffer: bytes | mmap.mmap) -> list[TensorExtent]:
     return extents
 
 
-def check_gguf_length(path: Path) -> str | None:
-    """Why the GGUF at `path` is shorter than its header says, or None if it is not."""
+def check_length(path: Path) -> None:
+    """Raises `IncompleteCheckpointError` if the GGUF at `path` is shorter than its
+    header says (or its header cannot be read), naming the file and the first tensor
+    past the end."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size == 0:
-            return f"{path.name} is empty."
+            raise IncompleteCheckpointError(f"{path.name} is empty.")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
             try:
                 extents = tensor_extents(buffer)
             except HeaderCut as cut:
-                return (
+                raise IncompleteCheckpointError(
                     f"{path.name} is truncated: {cut}, before its tensor descriptions end "
                     f"(the file has {size} bytes)."
-                )
+                ) from cut
             except (ValueError, struct.error) as error:
-                return f"{path.name} has no readable GGUF header ({error})."
+                raise IncompleteCheckpointError(
+                    f"{path.name} has no readable GGUF header ({error})."
+                ) from error
     past = [extent for extent in extents if extent.end > size]
     if not past:
-        return None
+        return
     first = min(past, key=lambda extent: extent.start)
     needed = max(extent.end for extent in extents)
-    return (
+    raise IncompleteCheckpointError(
         f"{path.name} is truncated: tensor {first.name!r} occupies bytes "
         f"{first.start}..{first.end}, the file has {size} bytes (its header describes "
         f"{needed} bytes; {len(past)} of {len(extents)} tensors run past the end)."
