@@ -74,9 +74,21 @@ SCHEDULER_PARTS = (
 FOLDER_ENV = "GPT2_MAX_WORKER_PROBE"
 """Where the totals go; `arm` does nothing in a process without it."""
 
+BATCHES = ("decode batches", "prefill batches")
+"""Each `pipeline.execute` is also booked by its batch's kind, decode (every row one
+new token) or prefill (a prompt or its chunk in it, decoding rows beside it or not):
+`[seconds, calls, rows, tokens in, tokens out]`, where tokens out counts every token
+the step's outputs carry (a decode burst's included)."""
+
+WINDOW = "active window"
+"""The wall-clock times (`time.time`) the first `pipeline.execute` since the last read
+of the totals began and the latest ended: the span a read's totals were taken in."""
+
 REQUEST, TOTALS = "request", "totals.json"
 """The benchmark's request for the totals, and the worker's answer, in that folder."""
 ANSWERED_AFTER = "scheduler iteration"
+BATCHED = "pipeline.execute"
+"""The part whose calls are also booked by batch kind (`BATCHES`)."""
 """The part after which a pending request is answered: only the model worker runs it."""
 
 SITECUSTOMIZE = "import worker_probe\nworker_probe.arm()\n"
@@ -110,6 +122,8 @@ def arm() -> None:
         return
     request, totals_file = Path(folder) / REQUEST, Path(folder) / TOTALS
     totals: dict[str, list[float]] = {name: [0.0, 0] for name in PARTS}
+    totals.update({name: [0.0, 0, 0, 0, 0] for name in BATCHES})
+    totals[WINDOW] = [0.0, 0.0]
     pending = dict(PARTS)
     original_import = builtins.__import__
 
@@ -123,6 +137,7 @@ def arm() -> None:
                 staged.write_text(json.dumps(totals))
                 staged.replace(totals_file)
                 request.unlink(missing_ok=True)
+                totals[WINDOW] = [0.0, 0.0]
         except OSError:
             pass
 
@@ -141,6 +156,24 @@ def arm() -> None:
                 total[1] += 1
                 if name == ANSWERED_AFTER:
                     answer()
+
+        def booked(self: Any, inputs: Any) -> Any:
+            """`pipeline.execute`, timed as a part and booked by its batch's kind."""
+            rows, tokens_in = len(inputs.flat_batch), inputs.input_tokens
+            start = time.perf_counter()
+            window = totals[WINDOW]
+            window[0] = window[0] or time.time()
+            outputs = timed(self, inputs)
+            window[1] = time.time()
+            batch = totals[BATCHES[0] if tokens_in == rows else BATCHES[1]]
+            for i, value in enumerate((time.perf_counter() - start, 1, rows, tokens_in,
+                                       sum(len(o.tokens) for o in outputs.values()))):
+                batch[i] += value
+            return outputs
+
+        if name == BATCHED:
+            setattr(owner, attribute, booked)
+            return
 
         setattr(owner, attribute, timed)
 

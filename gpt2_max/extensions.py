@@ -8,7 +8,8 @@ there, and offers what it adds under agreed names, each optional:
 
 - `extend(model)`: one `Extension` for the pipeline model, whose hooks wrap the
   model's load and each `execute` (composition: the model calls them in turn,
-  outermost first; no room is a base class of the model);
+  outermost first; no room is a base class of the model) and may put another
+  token sampler in the text pipeline's hands;
 - `context_type(base)`: the architecture's context type, made from `base`;
 - `WEIGHT_FORMAT`: a `weights.formats.WeightFormat` the architecture loads.
 
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 from .names import PACKAGE
 
-ROOMS = ("bursts", "cpu_runtime", "gguf")
+ROOMS = ("bursts", "cpu_runtime", "gguf", "sampler")
 """The rooms, in the order their extensions wrap the model, outermost first: decode
 bursts run several of the runtime policy's steps."""
 
@@ -49,6 +50,11 @@ class Extension:
 
     def receive(self, model: Any, part: str, *value: Any) -> None:
         """A part of MAX in `takes`, handed over."""
+
+    def sampler(self, model: Any, sampler: Any, device: Any) -> Any:
+        """The token sampler MAX's text pipeline should call in place of `sampler` (its
+        own graph, or what an extension before this one made of it), on `device`."""
+        return sampler
 
 
 def rooms() -> list[ModuleType]:

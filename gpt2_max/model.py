@@ -134,6 +134,13 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
         """Whether an extension wants `part` of MAX handed over (`Extension.takes`)."""
         return any(part in extension.takes for extension in self.extensions)
 
+    def sampler_for(self, sampler: Any, device: Any) -> Any:
+        """The token sampler the text pipeline should call in place of its own graph
+        `sampler` (a shim's hand-over): `sampler`, as each extension makes it."""
+        for extension in self.extensions:
+            sampler = extension.sampler(self, sampler, device)
+        return sampler
+
     def hand_over(self, part: str, *value: Any) -> None:
         """Gives `part` of MAX (built after the model; a shim's hand-over) to the
         extensions that take it."""

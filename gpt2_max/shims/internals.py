@@ -144,6 +144,12 @@ def pipeline_sampler(pipeline: Any) -> tuple[Any, Any, Device]:
     return pipeline_model(pipeline), pipeline._sampler_without_bitmask, pipeline._sampler_device
 
 
+def replace_pipeline_sampler(pipeline: Any, sampler: Any) -> None:
+    """Puts `sampler` where a text pipeline keeps its token sampler graph (the one
+    without a grammar's bitmask), which it calls as `sampler(*graph_inputs)`."""
+    pipeline._sampler_without_bitmask = sampler
+
+
 def sampler_inputs(contexts: Any, device: Device) -> Any:
     """The per-row sampling tensors MAX's `FusedSamplingProcessor` gives its sampler
     (temperature, top-k, top-p, min-p, each row's seed for its next token)."""

@@ -1,27 +1,36 @@
-"""MAX's token sampler handed to the pipeline model, for decode bursts (`gpt2_max.bursts`).
+"""MAX's token sampler offered to the pipeline model, which may put another in its place
+(`gpt2_max.sampler`), and handed to it for decode bursts (`gpt2_max.bursts`).
 
 MAX 26.7's text pipeline builds the model first and its sampler graph after,
-and keeps the sampler to itself. A burst samples with exactly that graph, so
-this patch of `TextGenerationPipeline.__init__` hands it to a model that asks
-for it (`model.takes("sampler")`, then `model.hand_over("sampler", sampler,
-device)`) once the pipeline is built: no
-second compile or load, and no chance of a sampler that differs from MAX's.
+and keeps the sampler to itself. This patch of `TextGenerationPipeline.__init__`,
+once the pipeline is built, asks a GPT-2 pipeline model which sampler the pipeline
+should call (`model.sampler_for(sampler, device)`) and puts that one in the
+pipeline's hands; then it hands it to a model that asks for it
+(`model.takes("sampler")`, then `model.hand_over("sampler", sampler, device)`). A
+burst samples with exactly the sampler MAX's loop calls: no second compile or
+load, and no chance of two samplers that differ.
 """
 
 from __future__ import annotations
 
 from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
 
-from .internals import pipeline_model, pipeline_sampler
+from .internals import pipeline_model, pipeline_sampler, replace_pipeline_sampler
 from .patching import after_init, asks
 
 
 def _hand_over(pipeline: TextGenerationPipeline) -> None:
-    # Only a model that asks: no other pipeline's private state is read.
-    if not asks(pipeline_model(pipeline), "sampler"):
+    # Only a GPT-2 pipeline model: no other pipeline's private state is read.
+    model = pipeline_model(pipeline)
+    choose = getattr(model, "sampler_for", None)
+    if not callable(choose):
         return
-    model, sampler, device = pipeline_sampler(pipeline)
-    model.hand_over("sampler", sampler, device)
+    _, sampler, device = pipeline_sampler(pipeline)
+    chosen = choose(sampler, device)
+    if chosen is not sampler:
+        replace_pipeline_sampler(pipeline, chosen)
+    if asks(model, "sampler"):
+        model.hand_over("sampler", chosen, device)
 
 
 def install() -> None:

@@ -4,7 +4,8 @@ Two servers of the same weights answer the same requests in the same order, one
 with `GPT2_MAX_DECODE_STEPS=1` (MAX's own loop, one token a pass) and one with
 the default bursts; every answer (token ids, text, finish reason, token count),
 streamed and not, must be identical. The cases are those where a burst could go
-wrong: seeded sampling, `min_tokens`, a stop token or string inside a burst,
+wrong: seeded sampling (plain rows, `gpt2_max.sampler`'s, and top-k or top-p
+rows, MAX's), `min_tokens`, a stop token or string inside a burst,
 `max_tokens` ending mid-burst, a page boundary, the window's end, concurrent
 rows, and requests that fall back to one step (log-probabilities).
 """
@@ -33,6 +34,7 @@ def cases(greedy: list[int], text: str) -> dict[str, tuple[list[int], dict[str, 
     one-step server's greedy answer to `PROMPT` (and its `text`)."""
     return {
         "greedy": (PROMPT, dict(max_tokens=37, **GREEDY, extra_body={"ignore_eos": True})),
+        "seeded temperature": (PROMPT, dict(max_tokens=37, temperature=0.8, seed=5)),
         "seeded top-p": (PROMPT, dict(max_tokens=37, temperature=1.0, top_p=0.9, seed=5)),
         "seeded top-k": (random_prompt(9, seed=2),
                          dict(max_tokens=29, temperature=0.7, seed=9, extra_body={"top_k": 20})),
@@ -110,6 +112,8 @@ def served(request, checkpoints, quantized_model, gguf_files, tmp_path_factory) 
     log = (logs / "server1.log").read_text()
     assert "where the burst sampled" not in log
     assert "a decode burst ends at the step a new request arrives" in log
+    # Plain rows ("seeded temperature") go through the package's sampler, on both.
+    assert "rows without top-k, top-p or min-p are sampled by" in log
     return tuple(results)
 
 

@@ -76,12 +76,15 @@ def test_stop_strings_and_stop_tokens(generator):
     assert by_token.finish_reason == "stop"
 
 
-def test_sampling_is_seeded(generator):
+@pytest.mark.parametrize("options", [
+    dict(temperature=1.0, top_k=50, top_p=0.95),  # MAX's sampler
+    dict(temperature=0.9),  # plain rows: gpt2_max.sampler's
+], ids=["top-k-top-p", "temperature"])
+def test_sampling_is_seeded(generator, options):
     prompt = "Seeded sampling"
-    options = dict(temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
-    first = generator.generate(prompt, 24, seed=7, **options)
-    again = generator.generate(prompt, 24, seed=7, **options)
-    other = generator.generate(prompt, 24, seed=8, **options)
+    first = generator.generate(prompt, 24, seed=7, ignore_eos=True, **options)
+    again = generator.generate(prompt, 24, seed=7, ignore_eos=True, **options)
+    other = generator.generate(prompt, 24, seed=8, ignore_eos=True, **options)
     assert first.token_ids == again.token_ids
     assert first.token_ids != other.token_ids
 

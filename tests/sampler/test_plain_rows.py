@@ -1,0 +1,129 @@
+"""`PlainRowsSampler`: plain rows (greedy, or a temperature with no top-k, top-p or
+min-p) drawn from softmax(logits / temperature) by this package's graph, seeded rows
+repeated, every other call handed to MAX's sampler graph unchanged.
+
+That served and generated sampling go through it (and bursts with it) is tested in
+`tests/bursts/test_served.py` and `tests/generate/test_generator.py`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.driver import CPU, Buffer
+from max.engine import InferenceSession
+from max.graph import DeviceRef
+from max.pipelines.lib import SamplingConfig
+from max.pipelines.sampling import token_sampler
+
+from gpt2_max.sampler import PlainRowsSampler
+from gpt2_max.sampler.plain_rows import uniform_draws
+
+pytestmark = pytest.mark.tier("model")
+
+VOCAB = 50
+
+
+@pytest.fixture(scope="module")
+def sampler() -> PlainRowsSampler:
+    """The router in front of MAX's own sampler graph, as the text pipeline builds it."""
+    device = CPU()
+    session = InferenceSession(devices=[device])
+    return PlainRowsSampler(session.load(token_sampler(SamplingConfig(), DeviceRef.CPU())), device)
+
+
+def inputs(logits: np.ndarray, *, top_k: int = -1, temperature: float = 1.0,
+           top_p: float = 1.0, min_p: float = 0.0, seeds: np.ndarray | None = None
+           ) -> list[Buffer]:
+    """MAX's sampler inputs (`SamplerInputs.as_list` after logits and previous tokens)
+    for every row of `logits` alike."""
+    rows = len(logits)
+    seeds = np.arange(rows, dtype=np.uint64) if seeds is None else seeds
+    arrays = [
+        logits.astype(np.float32), np.zeros((rows, 3), np.int64),
+        np.full(rows, top_k, np.int64), np.array(top_k if top_k > 0 else -1, np.int64),
+        np.full(rows, temperature, np.float32), np.full(rows, top_p, np.float32),
+        np.array(top_p, np.float32), np.full(rows, min_p, np.float32), seeds,
+    ]
+    return [Buffer.from_numpy(a) for a in arrays]
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_plain_rows_are_drawn_from_the_softmax(sampler, temperature) -> None:
+    """20,000 draws of one row's token (one row per seed, in one call) against
+    softmax(logits / temperature): Pearson's chi-square over the tokens, tail
+    merged so every expected count is at least 5."""
+    logits = np.random.default_rng(0).normal(0, 2, VOCAB)
+    draws = 20_000
+    batch = np.repeat(logits[None], draws, axis=0)
+    seeds = np.random.default_rng(1).integers(0, 2**63, draws).astype(np.uint64)
+    tokens, all_tokens, next_seeds = sampler(
+        *inputs(batch, temperature=temperature, seeds=seeds)
+    )
+    tokens = tokens.to_numpy()
+    expected = softmax(logits / temperature) * draws
+    counts = np.bincount(tokens, minlength=VOCAB).astype(float)
+    order = np.argsort(expected)[::-1]
+    keep = order[expected[order] >= 5]
+    rest = order[expected[order] < 5]
+    observed = np.append(counts[keep], counts[rest].sum())
+    wanted = np.append(expected[keep], expected[rest].sum())
+    chi2 = float(((observed - wanted) ** 2 / np.maximum(wanted, 1e-12)).sum())
+    # The 99.9th percentile of chi-square with len(observed) - 1 degrees of freedom,
+    # by Wilson-Hilferty; a sampler off by a percent at a likely token exceeds it.
+    dof = len(observed) - 1
+    bound = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < bound, (chi2, bound)
+    assert (all_tokens.to_numpy()[:, -1] == tokens).all()
+    assert (next_seeds.to_numpy() == seeds + 1).all()
+
+
+def test_greedy_rows_take_the_largest_logit_beside_sampled_ones(sampler) -> None:
+    logits = np.random.default_rng(2).normal(0, 2, (4, VOCAB))
+    buffers = inputs(logits)
+    top_k = np.array([1, -1, 1, -1], np.int64)
+    buffers[2] = Buffer.from_numpy(top_k)
+    buffers[4] = Buffer.from_numpy(np.array([0.0, 1.0, 0.0, 1.0], np.float32))
+    tokens = sampler(*buffers)[0].to_numpy()
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_a_seed_repeats_its_tokens_and_another_seed_differs(sampler) -> None:
+    logits = np.zeros((64, VOCAB))  # every token as likely
+    seeds = np.arange(1000, 1064, dtype=np.uint64)
+    first = sampler(*inputs(logits, seeds=seeds))[0].to_numpy()
+    again = sampler(*inputs(logits, seeds=seeds))[0].to_numpy()
+    other = sampler(*inputs(logits, seeds=seeds + 64))[0].to_numpy()
+    assert (first == again).all()
+    assert (first != other).any()
+
+
+def test_uniform_draws_fill_the_unit_interval_evenly() -> None:
+    draws = uniform_draws(np.arange(100_000, dtype=np.uint64))  # consecutive keys
+    assert draws.dtype == np.float32 and 0 <= draws.min() and draws.max() < 1
+    counts = np.histogram(draws, bins=20, range=(0, 1))[0]
+    assert np.abs(counts - 5000).max() < 5 * np.sqrt(5000)
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_k=20), dict(top_p=0.9), dict(min_p=0.05),
+], ids=["top-k", "top-p", "min-p"])
+def test_rows_that_need_a_sort_go_to_maxs_sampler(sampler, options) -> None:
+    calls = []
+
+    def fallback(*buffers):
+        calls.append(buffers)
+        return ["MAX's"]
+
+    router = PlainRowsSampler.__new__(PlainRowsSampler)
+    router.__dict__.update(sampler.__dict__, _fallback=fallback)
+    buffers = inputs(np.zeros((2, VOCAB)), **options)
+    assert router(*buffers) == ["MAX's"]
+    assert len(calls) == 1 and calls[0] == tuple(buffers)
+    assert router(*buffers, Buffer.from_numpy(np.zeros(2, np.float32))) == ["MAX's"]
+    assert not router.plain(tuple(inputs(np.zeros((2, VOCAB)))) + (buffers[0],))
