@@ -93,6 +93,9 @@ SETTINGS: tuple[Setting, ...] = (
             "milliseconds a burst may run before it hands back to MAX's loop"),
     Setting("fast_forward", False, "`0`", _switch,
             "`1` runs tokens a grammar forces without steps of their own"),
+    Setting("sampler", "package", "`package` on the CPU", _one_of("package", "max"),
+            "`max` samples every row with MAX's sampler graph, as a GPU always does; "
+            "`package` rows with no top-k, top-p or min-p with the package's"),
 )
 """Every setting, in README's order."""
 
@@ -108,6 +111,7 @@ class Settings:
     decode_steps: int | None
     burst_ms: int
     fast_forward: bool
+    sampler: str
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> Settings:

@@ -25,6 +25,7 @@ GOOD = {
     "decode_steps": [("1", 1), ("16", 16)],
     "burst_ms": [("100", 100)],
     "fast_forward": [("1", True), ("0", False)],
+    "sampler": [("max", "max"), ("Package", "package")],
 }
 BAD = {
     "layers": ["fastest", "1"],
@@ -34,6 +35,7 @@ BAD = {
     "decode_steps": ["0", "-2", "four"],
     "burst_ms": ["0", "1.5", "fast"],
     "fast_forward": ["true", "2"],
+    "sampler": ["torch", "1"],
 }
 
 

@@ -23,9 +23,13 @@ PLAIN_INPUTS = (
     "logits", "prev_tokens", "top_k", "max_k", "temperature", "top_p", "min_top_p",
     "min_p", "seed",
 )
-"""The inputs of MAX's sampler graph when it has no penalties, no min-tokens mask and
-returns no logits (`_sampling_input_types`); a call with any other inputs goes to
-MAX's graph."""
+"""The inputs of MAX's sampler graph when it has no penalties and returns no logits
+(`_sampling_input_types`), before the min-tokens mask when it has one (`MIN_TOKENS`);
+a call with any other inputs goes to MAX's graph."""
+
+MIN_TOKENS_FILL = -10000.0
+"""What MAX's sampler graph writes into the logits at each (row, token) of a
+min-tokens mask (`scatter_set_constant`), as this sampler does too."""
 
 GRAPH_INPUTS = ("logits", "prev_tokens", "top_k", "temperature", "draw", "seed")
 """The inputs of this package's graph: MAX's, less what plain rows leave unused, plus
@@ -75,9 +79,16 @@ def plain_rows_graph(device: DeviceRef) -> Graph:
     return graph
 
 
+def is_min_tokens_mask(buffer: Buffer) -> bool:
+    """Whether `buffer` is MAX's min-tokens mask: int32 (row, token) pairs (the graph's
+    other optional inputs, returned logits and penalties, are neither)."""
+    return buffer.dtype == DType.int32 and len(buffer.shape) == 2 and buffer.shape[1] == 2
+
+
 class PlainRowsSampler:
-    """Called as MAX calls its sampler graph (`_sample_logits`): batches of plain rows
-    go to this package's graph, any other call to `fallback`, MAX's own graph."""
+    """Called as MAX calls its sampler graph (`_sample_logits`): batches of plain rows,
+    some of them sampled, go to this package's graph, any other call to `fallback`,
+    MAX's own graph."""
 
     def __init__(self, fallback: Any, device: Device) -> None:
         self._fallback = fallback
@@ -86,7 +97,12 @@ class PlainRowsSampler:
         self._graph = session.load(plain_rows_graph(DeviceRef.from_device(device)))
 
     def plain(self, inputs: tuple[Buffer, ...]) -> bool:
-        """Whether every row of the call is plain (and the call has MAX's plain inputs)."""
+        """Whether the call goes to this package's graph: it has MAX's plain inputs (and
+        perhaps a min-tokens mask), every row is plain, and not every row is greedy
+        (MAX's kernel takes the largest logit as fast as this graph, and a whole greedy
+        batch faster: it draws nothing)."""
+        if len(inputs) == len(PLAIN_INPUTS) + 1 and is_min_tokens_mask(inputs[-1]):
+            inputs = inputs[:-1]
         if len(inputs) != len(PLAIN_INPUTS) or inputs[0].dtype != DType.float32:
             return False
         named = dict(zip(PLAIN_INPUTS, inputs, strict=True))
@@ -94,7 +110,7 @@ class PlainRowsSampler:
         vocab_size = named["logits"].shape[1]
         unrestricted = (top_k <= 0) | (top_k >= vocab_size)
         return bool(
-            ((top_k == 1) | unrestricted).all()
+            ((top_k == 1) | unrestricted).all() and unrestricted.any()
             and float(named["min_top_p"].to_numpy()) >= 1.0
             and not named["min_p"].to_numpy().any()
         )
@@ -102,7 +118,11 @@ class PlainRowsSampler:
     def __call__(self, *inputs: Buffer) -> list[Buffer]:
         if not self.plain(inputs):
             return self._fallback(*inputs)
-        named = dict(zip(PLAIN_INPUTS, inputs, strict=True))
+        named = dict(zip(PLAIN_INPUTS, inputs, strict=False))
+        if len(inputs) > len(PLAIN_INPUTS):
+            # As MAX's graph does, in the logits buffer itself (MAX reads it after).
+            rows, tokens = inputs[-1].to_numpy().T
+            named["logits"].to_numpy()[rows, tokens] = MIN_TOKENS_FILL
         draws = uniform_draws(named["seed"].to_numpy())
         named["draw"] = Buffer.from_numpy(draws).to(self._device)
         return self._graph.execute(*(named[name] for name in GRAPH_INPUTS))

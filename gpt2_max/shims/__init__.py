@@ -24,8 +24,10 @@ and why, so nothing else in the package imports a private MAX name:
 - `fast_forward`: opt-in fast-forward tokens under `max serve`
   (`GPT2_MAX_FAST_FORWARD=1`), a `TextContext` subclass registered as the
   architecture's context type.
-- `shared_sampler`: the text pipeline's token sampler handed to a pipeline
-  model that asks for it (`takes`, `hand_over`), whose decode bursts
+- `shared_sampler`: the text pipeline's token sampler offered to a GPT-2
+  pipeline model, whose extensions may put another in its place
+  (`sampler_for`: `gpt2_max.sampler`'s on the CPU), then handed to a model
+  that asks for it (`takes`, `hand_over`), whose decode bursts
   (`gpt2_max.bursts`) sample with it.
 - `waiting_requests`: whether a request waits in MAX's scheduler's queue, told
   to a pipeline model that asks, whose decode bursts end when
@@ -74,6 +76,7 @@ CARRIED = (
     "400 for an empty completions prompt",
     "named damaged weight files",
     "decode bursts",
+    "the CPU's sampler of plain rows",
     "fast-forward tokens",
 )
 """What a user loses on a MAX release the shims were not checked against."""

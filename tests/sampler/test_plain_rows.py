@@ -16,8 +16,9 @@ from max.graph import DeviceRef
 from max.pipelines.lib import SamplingConfig
 from max.pipelines.sampling import token_sampler
 
-from gpt2_max.sampler import PlainRowsSampler
+from gpt2_max.sampler import PlainRowsSampler, PlainRowsSampling
 from gpt2_max.sampler.plain_rows import uniform_draws
+from gpt2_max.settings import setting, settings
 
 pytestmark = pytest.mark.tier("model")
 
@@ -127,3 +128,36 @@ def test_rows_that_need_a_sort_go_to_maxs_sampler(sampler, options) -> None:
     assert len(calls) == 1 and calls[0] == tuple(buffers)
     assert router(*buffers, Buffer.from_numpy(np.zeros(2, np.float32))) == ["MAX's"]
     assert not router.plain(tuple(inputs(np.zeros((2, VOCAB)))) + (buffers[0],))
+
+
+def test_a_batch_of_greedy_rows_goes_to_maxs_sampler(sampler) -> None:
+    """MAX's kernel picks the largest logits faster than the package's graph draws."""
+    assert not sampler.plain(tuple(inputs(np.zeros((3, VOCAB)), top_k=1, temperature=0.0)))
+    assert sampler.plain(tuple(inputs(np.zeros((3, VOCAB)))))
+
+
+@pytest.mark.parametrize(("value", "replaced"), [("package", True), ("max", False)])
+def test_the_setting_chooses_whose_sampler_the_pipeline_calls(monkeypatch, value, replaced):
+    maxs = object()
+    monkeypatch.setenv(setting("sampler").variable, value)
+    settings.cache_clear()
+    try:
+        chosen = PlainRowsSampling().sampler(None, maxs, CPU())
+    finally:
+        settings.cache_clear()
+    assert isinstance(chosen, PlainRowsSampler) is replaced
+    assert (chosen is maxs) is not replaced
+
+
+def test_a_min_tokens_mask_bans_its_tokens_as_maxs_graph_does(sampler) -> None:
+    """MAX's mask of (row, token) pairs (`--enable-min-tokens`) is written into the
+    logits buffer, so a banned largest logit gives way to the next."""
+    logits = np.random.default_rng(3).normal(0, 2, (2, VOCAB))
+    best = logits.argmax(axis=1)
+    buffers = inputs(logits)
+    buffers[2] = Buffer.from_numpy(np.array([1, -1], np.int64))  # row 0 greedy
+    mask = Buffer.from_numpy(np.array([[0, best[0]], [1, best[1]]], np.int32))
+    assert sampler.plain((*buffers, mask))
+    tokens = sampler(*buffers, mask)[0].to_numpy()
+    assert tokens[0] == np.argsort(logits[0])[-2]
+    assert buffers[0].to_numpy()[1, best[1]] == -10000.0
