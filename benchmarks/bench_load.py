@@ -66,6 +66,9 @@ FIGURES = {
     "failed": "failed",
 }
 """The table's figures (`figures`), and their labels."""
+PREFILL_TOKENS = 512
+"""README's prefill batch budget on the CPU (`--max-batch-input-tokens`): prompts that
+wait together get their first tokens a batch of this size apart, not all after one."""
 KV_PAGE = 128
 """MAX's KV page size (tokens): a request holds whole pages, so a cache bounded to
 the tokens in flight without rounding makes MAX preempt requests, recomputing them."""
@@ -237,7 +240,8 @@ def run_max(gguf: Path, tokenizer: Path, args: argparse.Namespace, scratch: Path
             label: str, env: dict[str, str], extra: list[str]) -> dict:
     top = max(args.concurrency)
     flags = ("--weight-path", str(gguf), "--max-batch-size", str(top),
-             "--max-batch-total-tokens", str(top * request_tokens(args)), *extra)
+             "--max-batch-total-tokens", str(top * request_tokens(args)),
+             "--max-batch-input-tokens", str(PREFILL_TOKENS), *extra)
     name = f"{label}-{gguf.stem}"
     env = {**SERVE_ENV, **env}
     probe = None
