@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,9 +73,12 @@ def batched_bench(
 
 
 @contextmanager
-def server(model: Path, threads: int, *, parallel: int, ctx_per_slot: int) -> Iterator[str]:
+def server(
+    model: Path, threads: int, *, parallel: int, ctx_per_slot: int, extra: Sequence[str] = (),
+) -> Iterator[str]:
     """`llama-server` on `model` with `parallel` slots, flash attention off as in the
-    other rows; yields its base URL once it answers `/health`."""
+    other rows, and `extra` flags (a draft model); yields its base URL once it answers
+    `/health`."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -84,7 +87,7 @@ def server(model: Path, threads: int, *, parallel: int, ctx_per_slot: int) -> It
             [str(binaries() / "llama-server"), "-m", str(model), "-t", str(threads),
              "-tb", str(threads), "--parallel", str(parallel),
              "-c", str(parallel * ctx_per_slot), "-fa", "off", "--host", "127.0.0.1",
-             "--port", str(port)],
+             "--port", str(port), *extra],
             stdout=log, stderr=subprocess.STDOUT, env=child_env(),
         )
         url = f"http://127.0.0.1:{port}"

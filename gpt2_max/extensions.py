@@ -26,9 +26,10 @@ from typing import Any, TypeVar
 
 from .names import PACKAGE
 
-ROOMS = ("bursts", "cpu_runtime", "gguf", "sampler")
-"""The rooms, in the order their extensions wrap the model, outermost first: decode
-bursts run several of the runtime policy's steps."""
+ROOMS = ("speculate", "bursts", "cpu_runtime", "gguf", "sampler")
+"""The rooms, in the order their extensions wrap the model, outermost first: a
+speculative pass's checking steps go through the bursts' extension (which leaves
+them be) and decode bursts run several of the runtime policy's steps."""
 
 T = TypeVar("T")
 

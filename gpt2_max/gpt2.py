@@ -20,6 +20,7 @@ from max.experimental import functional as F
 from max.experimental.nn import Module
 from max.experimental.nn.sequential import ModuleList
 from max.experimental.tensor import Tensor
+from max.graph import ops
 from max.nn.kv_cache import KVCacheInputsPerDevice
 from max.nn.transformer import ReturnLogits
 from max.pipelines.lib import ModuleV3Outputs
@@ -28,6 +29,19 @@ from .layers import Layers
 from .layers.block import layer_norm
 from .model_config import GPT2ArchConfig
 from .shims.internals import graph_value
+
+
+def last_rows(input_row_offsets: Tensor, return_n_logits: Tensor) -> Tensor:
+    """The rows of the ragged batch whose logits a step returns as `next_token_logits`:
+    the last `return_n_logits[0]` of each sequence, sequence by sequence. MAX's steps
+    ask for one (the last token's); checking a draft's tokens asks for them all
+    (`gpt2_max.speculate`), from the one graph."""
+    back = ops.range(
+        return_n_logits[0], 0, -1, out_dim="return_n_logits_range",
+        device=input_row_offsets.device, dtype=DType.int64,
+    )
+    ends = F.unsqueeze(F.cast(input_row_offsets[1:], DType.int64), -1)
+    return F.reshape(ends - back, [-1])
 
 
 class GPT2(Module[..., ModuleV3Outputs]):
@@ -86,8 +100,9 @@ class GPT2(Module[..., ModuleV3Outputs]):
         for block in self.h:
             h = block(h, kv_collection, input_row_offsets)
 
-        last_rows = input_row_offsets[1:] - 1
-        next_token_logits = self.logits(F.gather(h, last_rows, axis=0))
+        next_token_logits = self.logits(
+            F.gather(h, last_rows(input_row_offsets, return_n_logits), axis=0)
+        )
 
         mode = self.config.return_logits
         if mode == ReturnLogits.ALL:

@@ -22,8 +22,9 @@ class GPT2Inputs(ModelInputs):
     """`[total_tokens]` int64: each token's position in its own sequence."""
 
     return_n_logits: Buffer
-    """`[1]` int64 on the host: part of MAX's ragged inputs; unused, as the graph
-returns last-token or all logits, never a variable number."""
+    """`[1]` int64 on the host: how many of each sequence's last tokens get logits in
+`next_token_logits` (`gpt2.last_rows`): 1 at MAX's steps, a draft's tokens and the one
+before them where a draft is checked."""
 
     input_row_offsets: Buffer
     """`[batch + 1]` uint32: where each sequence's tokens start and end."""

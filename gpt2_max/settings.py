@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .encodings import PACKED_TYPES
 from .names import env_var
 
 MAX_NICE = 19
@@ -96,6 +97,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sampler", "package", "`package` on the CPU", _one_of("package", "max"),
             "`max` samples every row with MAX's sampler graph, as a GPU always does; "
             "`package` rows with no top-k, top-p or min-p with the package's"),
+    Setting("draft", None, "unset", _one_of(*sorted(PACKED_TYPES)),
+            "a block type (`q4_0`, `q8_0`, ...): on the CPU a copy of the model's weights "
+            "packed in it at load drafts tokens that the model checks (speculative "
+            "decoding); unset, no draft"),
+    Setting("draft_tokens", 4, "`4`", _whole(1, 16),
+            "the most tokens a draft proposes a round before the model checks them "
+            "(fewer, or none, where the measured pace says so)"),
+    Setting("draft_pace", True, "`1`", _switch,
+            "`0` drafts the most tokens every round, whether or not it pays"),
 )
 """Every setting, in README's order."""
 
@@ -112,6 +122,9 @@ class Settings:
     burst_ms: int
     fast_forward: bool
     sampler: str
+    draft: str | None
+    draft_tokens: int
+    draft_pace: bool
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> Settings:

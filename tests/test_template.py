@@ -32,6 +32,7 @@ pytestmark = pytest.mark.tier("serve")
 COPY = "my_gpt"
 OPTIONAL = [
     "generate", "tools", "testing", "kernels", "bursts", "cpu_runtime", "gguf", "sampler",
+    "speculate",
     "layers/fast.py", "layers/linear.py", "layers/quantized.py", "layers/embedding.py",
     "layers/kernel_choice.py", "layers/qmatmul.py",
 ]

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 from max.driver import Buffer, Device
 from max.dtype import DType
+from max.nn.kv_cache import packed_page_stride
 from max.nn.kv_cache.utils import build_max_lengths_tensors
 from max.nn.transformer import ReturnLogits
 from max.pipelines.context import TextContext
@@ -81,34 +82,46 @@ class BurstSampling:
         return tokens.to_numpy().reshape(-1).astype(np.int64)
 
 
-def next_step_inputs(
-    first: GPT2Inputs, positions: np.ndarray, tokens: np.ndarray, step: int, kv_params: Any
+def step_inputs(
+    first: GPT2Inputs, kv_params: Any, rows: Sequence[np.ndarray], starts: np.ndarray, *,
+    logits_per_row: int = 1, kv_blocks: Buffer | None = None,
 ) -> GPT2Inputs:
-    """The inputs of a burst's `step`-th step: every row's newest token one position
-    further, its KV entry one past the cache (the same pages, the same table)."""
+    """The inputs of a further step over `first`'s rows and KV pages (the same page
+    table): row `r`'s tokens `rows[r]`, at positions from `starts[r]`, where its cache
+    ends; logits for the last `logits_per_row` of each row. `kv_blocks` puts another
+    model's cache (a draft's, `gpt2_max.speculate`) behind the same page table. The
+    inputs carry no contexts: a step made here is never a burst's first."""
     device = first.tokens.device
-    at = positions + step
+    lengths = np.array([len(row) for row in rows], dtype=np.int64)
+    ends = starts + lengths
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
     (kv,) = first.kv_cache_inputs
-    longest = int(at.max()) + 1
-    max_prompt, max_cache = build_max_lengths_tensors(1, longest)
+    widest, longest = int(lengths.max()), int(ends.max())
+    max_prompt, max_cache = build_max_lengths_tensors(widest, longest)
     dispatch = kv.attention_dispatch_metadata
     if dispatch is not None:
-        key = kv_params.resolve_attn_key(len(at), 1, longest)
+        key = kv_params.resolve_attn_key(len(rows), widest, longest)
         (dispatch,) = key.dispatch_metadata_buffers(
             None, name="", devices=[device], max_cache_valid_length=longest
         )
     kv = dataclasses.replace(
         kv,
-        cache_lengths=Buffer.from_numpy(at.astype(np.uint32)).to(device),
+        cache_lengths=Buffer.from_numpy(starts.astype(np.uint32)).to(device),
         max_prompt_length=max_prompt,
         max_cache_length=max_cache,
         attention_dispatch_metadata=dispatch,
     )
+    if kv_blocks is not None:
+        kv = dataclasses.replace(kv, kv_blocks=kv_blocks, page_stride=packed_page_stride(kv_blocks))
     return dataclasses.replace(
         first,
-        tokens=Buffer.from_numpy(tokens).to(device),
-        position_ids=Buffer.from_numpy(at).to(device),
+        tokens=Buffer.from_numpy(np.concatenate(rows).astype(np.int64)).to(device),
+        position_ids=Buffer.from_numpy(positions.astype(np.int64)).to(device),
+        return_n_logits=Buffer.from_numpy(np.array([logits_per_row], dtype=np.int64)),
+        input_row_offsets=Buffer.from_numpy(offsets).to(device),
         kv_cache_inputs=(kv,),
+        contexts=(),
     )
 
 
@@ -194,7 +207,9 @@ class DecodeBursts(Extension):
             mark = now
             if self._request_waiting is not None and self._request_waiting():
                 break  # let MAX admit it now
-            step_outputs = run(next_step_inputs(first, positions, tokens, step, model.kv_params))
+            step_outputs = run(
+                step_inputs(first, model.kv_params, tokens[:, None], positions + step)
+            )
             tokens = sampling.sample(step_outputs.next_token_logits, step)
             made.append(tokens)
         for context, row in zip(contexts, np.stack(made, axis=1).tolist(), strict=True):

@@ -41,16 +41,13 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from max.dtype import DType
-from max.graph import Shape
-from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import GGUFWeights, WeightData, Weights
 
 from ..encodings import PACKED_TYPES
 from ..names import PACKAGE
 from ..shims.internals import gguf_reader
 from ..weights.hugepages import hugepage_array
-from ..weights.plan import BlockWeightData
+from ..weights.plan import packed_weight
 from ..weights.schema import (
     CheckpointError,
     feed_forward_size,
@@ -136,12 +133,7 @@ def writable(array: np.ndarray) -> np.ndarray:
 def _packed(name: str, tensor: gguf.ReaderTensor) -> WeightData:
     """A quantized matrix as its blocks (`uint8`, one row per output feature), with
     MAX's `QuantizationEncoding` where it names the type."""
-    blocks = writable(np.asarray(tensor.data))
-    kind = tensor.tensor_type.name
-    shape = Shape(blocks.shape)
-    if kind in QuantizationEncoding.__members__:
-        return WeightData(blocks, name, DType.uint8, shape, QuantizationEncoding[kind])
-    return BlockWeightData(blocks, name, DType.uint8, shape, block_type=kind.lower())
+    return packed_weight(writable(np.asarray(tensor.data)), name, tensor.tensor_type.name)
 
 
 def convert_gguf_state_dict(

@@ -14,7 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from max.dtype import DType
+from max.graph import Shape
+from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import WeightData
 
 
@@ -24,6 +27,17 @@ class BlockWeightData(WeightData):
     Q8_0), which therefore travel as plain `uint8` for MAX; `block_type` says which."""
 
     block_type: str = ""
+
+
+def packed_weight(blocks: np.ndarray, name: str, kind: str) -> WeightData:
+    """GGUF blocks of type `kind` (`uint8`, one row per output feature) as the weight
+    the layers multiply packed: with MAX's `QuantizationEncoding` where it names the
+    type, else a `BlockWeightData`."""
+    upper = kind.upper()
+    shape = Shape(blocks.shape)
+    if upper in QuantizationEncoding.__members__:
+        return WeightData(blocks, name, DType.uint8, shape, QuantizationEncoding[upper])
+    return BlockWeightData(blocks, name, DType.uint8, shape, block_type=kind.lower())
 
 
 def block_type(weight: WeightData) -> str | None:

@@ -19,6 +19,7 @@ from max.pipelines.sampling import token_sampler
 from gpt2_max.sampler import PlainRowsSampler, PlainRowsSampling
 from gpt2_max.sampler.plain_rows import uniform_draws
 from gpt2_max.settings import setting, settings
+from tests.stats import chi_square_fits
 
 pytestmark = pytest.mark.tier("model")
 
@@ -57,8 +58,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_plain_rows_are_drawn_from_the_softmax(sampler, temperature) -> None:
     """20,000 draws of one row's token (one row per seed, in one call) against
-    softmax(logits / temperature): Pearson's chi-square over the tokens, tail
-    merged so every expected count is at least 5."""
+    softmax(logits / temperature): Pearson's chi-square over the tokens."""
     logits = np.random.default_rng(0).normal(0, 2, VOCAB)
     draws = 20_000
     batch = np.repeat(logits[None], draws, axis=0)
@@ -69,16 +69,7 @@ def test_plain_rows_are_drawn_from_the_softmax(sampler, temperature) -> None:
     tokens = tokens.to_numpy()
     expected = softmax(logits / temperature) * draws
     counts = np.bincount(tokens, minlength=VOCAB).astype(float)
-    order = np.argsort(expected)[::-1]
-    keep = order[expected[order] >= 5]
-    rest = order[expected[order] < 5]
-    observed = np.append(counts[keep], counts[rest].sum())
-    wanted = np.append(expected[keep], expected[rest].sum())
-    chi2 = float(((observed - wanted) ** 2 / np.maximum(wanted, 1e-12)).sum())
-    # The 99.9th percentile of chi-square with len(observed) - 1 degrees of freedom,
-    # by Wilson-Hilferty; a sampler off by a percent at a likely token exceeds it.
-    dof = len(observed) - 1
-    bound = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    chi2, bound = chi_square_fits(counts, expected)
     assert chi2 < bound, (chi2, bound)
     assert (all_tokens.to_numpy()[:, -1] == tokens).all()
     assert (next_seeds.to_numpy() == seeds + 1).all()
