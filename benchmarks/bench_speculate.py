@@ -25,12 +25,13 @@ rounding flips the top token, and GPT-2 on text is peaked:
 
 For each checkpoint and each draft length: `max serve` without a draft (README's CPU
 settings), `max serve` with `GPT2_MAX_DRAFT=<type>` and `GPT2_MAX_DRAFT_TOKENS=<k>`
-(its greedy tokens checked equal to the first's; the share kept read from its log),
-`llama-server` on the F32 GGUF of the same weights without a draft, and with the
-`<type>` GGUF as `--model-draft`, `--draft-max k --draft-min 0` and its default
-`--draft-p-min` (its timings give the share kept). Each server answers a warm-up, then
-`--repeat` greedy requests of the same 16-token prompt and 128 new tokens
-(`ignore_eos`); the figure is 128 over the request's wall time, median.
+(its greedy tokens checked equal to the first's; the share of drafted tokens kept read
+from its log, which says it every 100 rounds, since the start), `llama-server` on the
+F32 GGUF of the same weights without a draft, and with the `<type>` GGUF as
+`--model-draft`, `--spec-draft-n-max k --spec-draft-n-min 0` and its default
+`--spec-draft-p-min` (its log gives the share kept, over every request). Each server
+answers a warm-up, then `--repeat` greedy requests of the same 16-token prompt and 128
+new tokens (`ignore_eos`); the figure is 128 over the request's wall time, median.
 """
 
 from __future__ import annotations
@@ -119,11 +120,10 @@ def max_one(url: str) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
 
 
-def llama_one(url: str) -> tuple[list[int], dict]:
+def llama_one(url: str) -> list[int]:
     body = {"prompt": PROMPT, "n_predict": NEW_TOKENS, "temperature": 0, "top_k": 1,
             "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
-    answer = httpx.post(f"{url}/completion", json=body, timeout=600).json()
-    return list(answer["tokens"]), answer.get("timings", {})
+    return list(httpx.post(f"{url}/completion", json=body, timeout=600).json()["tokens"])
 
 
 def timed(ask, repeat: int) -> tuple[float, object]:
@@ -162,15 +162,19 @@ def measure(folder: Path, kind: str, tokens: list[int], repeat: int, scratch: Pa
         rows[f"max draft {k}"] = rate
         rows[f"max draft {k} kept"] = kept_share(log.read_text())
         rows[f"max draft {k} exact"] = answer == reference
-        extra = ("--model-draft", str(draft), "--draft-max", str(k), "--draft-min", "0",
-                 "-td", str(THREADS))
+        extra = ("--model-draft", str(draft), "--spec-type", "draft-simple",
+                 "--spec-draft-n-max", str(k),
+                 "--spec-draft-n-min", "0", "-td", str(THREADS))
+        llama_log = scratch / f"llama-draft{k}.log"
         with llama_cpp_tools.server(f32, THREADS, parallel=1, ctx_per_slot=512,
-                                    extra=extra) as url:
-            rate, (_, timings) = timed(lambda: llama_one(url), repeat)
-        rows[f"llama draft {k}"] = rate
-        drafted = timings.get("draft_n") or 0
-        rows[f"llama draft {k} kept"] = (timings.get("draft_n_accepted", 0) / drafted
-                                         if drafted else None)
+                                    extra=extra, log_path=llama_log) as url:
+            rows[f"llama draft {k}"], _ = timed(lambda: llama_one(url), repeat)
+        found = re.findall(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted / \s*(\d+) generated",
+                           llama_log.read_text(errors="replace"))
+        rows[f"llama draft {k} kept"] = (
+            sum(int(a) for a, _ in found) / max(1, sum(int(n) for _, n in found))
+            if found else None
+        )
     return rows
 
 

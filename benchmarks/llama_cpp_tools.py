@@ -75,14 +75,16 @@ def batched_bench(
 @contextmanager
 def server(
     model: Path, threads: int, *, parallel: int, ctx_per_slot: int, extra: Sequence[str] = (),
+    log_path: Path | None = None,
 ) -> Iterator[str]:
     """`llama-server` on `model` with `parallel` slots, flash attention off as in the
     other rows, and `extra` flags (a draft model); yields its base URL once it answers
-    `/health`."""
+    `/health`. Its output goes to `log_path` if given."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with tempfile.TemporaryFile() as log:
+    opened = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
+    with opened as log:
         process = subprocess.Popen(
             [str(binaries() / "llama-server"), "-m", str(model), "-t", str(threads),
              "-tb", str(threads), "--parallel", str(parallel),
