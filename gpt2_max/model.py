@@ -172,6 +172,17 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
     ) -> dict[str, Any]:
         return layers_for(model_config).prepare(state_dict)
 
+    def _get_compile_input_types(self, model_config: GPT2ArchConfig) -> tuple[Any, ...]:
+        # MAX's, but for the cache `model_config` describes rather than the model's own:
+        # a draft of another shape compiles through this hook too (`speculate.draft`).
+        assert self.batch_processor is not None
+        return (
+            *self.batch_processor.get_symbolic_inputs(
+                kv_params=model_config.kv_params, device_refs=self.device_refs
+            ),
+            *self._modulev3_extra_input_types,
+        )
+
     def _instantiate_module(self, model_config: GPT2ArchConfig) -> GPT2:
         module = GPT2(model_config, layers_for(model_config))
         module.to(self.devices[0])

@@ -131,6 +131,25 @@ def validate_huggingface_config(hf_config: Any) -> None:
         )
 
 
+def shape_fields(hf_config: Any) -> dict[str, Any]:
+    """The fields of `GPT2ArchConfig` a (validated) transformers config decides: the
+    model's shape and math, everything but the serving settings."""
+    return {
+        "vocab_size": hf_config.vocab_size,
+        "hidden_size": hf_config.n_embd,
+        "num_layers": hf_config.n_layer,
+        "num_heads": hf_config.n_head,
+        "head_dim": hf_config.n_embd // hf_config.n_head,
+        "feed_forward_size": feed_forward_size(hf_config),
+        "max_positions": hf_config.n_positions,
+        "layer_norm_epsilon": hf_config.layer_norm_epsilon,
+        "activation": ACTIVATIONS[hf_config.activation_function],
+        "scale_attn_weights": hf_config.scale_attn_weights,
+        "scale_attn_by_inverse_layer_idx": hf_config.scale_attn_by_inverse_layer_idx,
+        "tie_word_embeddings": ties_word_embeddings(hf_config),
+    }
+
+
 HEAD_ROW_MULTIPLE = 256
 """Off the CPU the LM head's rows are padded to this multiple: a whole tile of MAX's
 sm90 GEMM (256 columns), so every output row is 16-byte aligned and no tile has a tail."""
@@ -245,7 +264,7 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
             DeviceRef(spec.device_type, spec.id) for spec in model_config.device_specs
         ]
         return cls(
-            vocab_size=hf.vocab_size,
+            **shape_fields(hf),
             usable_vocab_size=usable_vocab_size(
                 hf.vocab_size,
                 tokenizer_vocab_size(
@@ -254,17 +273,6 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
                     model_config.trust_remote_code,
                 ),
             ),
-            hidden_size=hf.n_embd,
-            num_layers=hf.n_layer,
-            num_heads=hf.n_head,
-            head_dim=hf.n_embd // hf.n_head,
-            feed_forward_size=feed_forward_size(hf),
-            max_positions=hf.n_positions,
-            layer_norm_epsilon=hf.layer_norm_epsilon,
-            activation=ACTIVATIONS[hf.activation_function],
-            scale_attn_weights=hf.scale_attn_weights,
-            scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
-            tie_word_embeddings=ties_word_embeddings(hf),
             max_seq_len=max_seq_len,
             # Activations and unpacked weights are float32 under every block
             # encoding (its own dtype, uint8, is its packing).

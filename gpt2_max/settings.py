@@ -15,6 +15,7 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .encodings import PACKED_TYPES
@@ -35,6 +36,17 @@ def _one_of(*options: str) -> Callable[[str], str]:
         return raw.lower()
 
     return parse
+
+
+def _draft(raw: str) -> str:
+    if raw.lower() in PACKED_TYPES:
+        return raw.lower()
+    if Path(raw).expanduser().exists():
+        return str(Path(raw).expanduser())
+    raise ValueError(
+        f"give a block type ({', '.join(sorted(PACKED_TYPES))}) or the path of a GPT-2 "
+        "checkpoint folder or GGUF file (none is there)"
+    )
 
 
 def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -97,10 +109,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sampler", "package", "`package` on the CPU", _one_of("package", "max"),
             "`max` samples every row with MAX's sampler graph, as a GPU always does; "
             "`package` rows with no top-k, top-p or min-p with the package's"),
-    Setting("draft", None, "unset", _one_of(*sorted(PACKED_TYPES)),
-            "a block type (`q4_0`, `q8_0`, ...): on the CPU a copy of the model's weights "
-            "packed in it at load drafts tokens that the model checks (speculative "
-            "decoding); unset, no draft"),
+    Setting("draft", None, "unset", _draft,
+            "what drafts tokens that the model checks, on the CPU (speculative decoding): "
+            "a block type (`q4_0`, `q8_0`, ...), a copy of the model's weights packed in "
+            "it at load; or a smaller GPT-2 with the same vocabulary, a checkpoint folder "
+            "or GGUF file; unset, no draft"),
     Setting("draft_tokens", 4, "`4`", _whole(1, 16),
             "the most tokens a draft proposes a round before the model checks them "
             "(fewer, or none, where the measured pace says so)"),

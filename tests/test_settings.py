@@ -26,7 +26,8 @@ GOOD = {
     "burst_ms": [("100", 100)],
     "fast_forward": [("1", True), ("0", False)],
     "sampler": [("max", "max"), ("Package", "package")],
-    "draft": [("q4_0", "q4_0"), ("Q8_0", "q8_0"), ("q4_k", "q4_k")],
+    "draft": [("q4_0", "q4_0"), ("Q8_0", "q8_0"), ("q4_k", "q4_k"),
+              (str(Path(__file__).parent), str(Path(__file__).parent))],
     "draft_tokens": [("1", 1), ("16", 16)],
     "draft_pace": [("0", False), ("1", True)],
 }
@@ -39,7 +40,7 @@ BAD = {
     "burst_ms": ["0", "1.5", "fast"],
     "fast_forward": ["true", "2"],
     "sampler": ["torch", "1"],
-    "draft": ["q4_1", "f16", "yes"],
+    "draft": ["q4_1", "f16", "yes", "models/no-such-gpt2"],
     "draft_tokens": ["0", "17", "four"],
     "draft_pace": ["on", "2"],
 }

@@ -1,10 +1,18 @@
-"""The draft: the model's own weights, quantized at load, compiled beside it.
+"""The draft: the model's own weights quantized at load, or a smaller GPT-2, compiled
+beside the model.
+
+`GPT2_MAX_DRAFT` names it. A block type packs the model's own projections and head
+at load (no second file, and a copy that agrees with the model wherever it is
+confident). A path names a checkpoint folder or a GGUF file of another GPT-2 with the
+same vocabulary (distilgpt2 for gpt2, gpt2 for gpt2-xl), read through the weight
+format's own adapter and check, as the model's are.
 
 The draft is built by the model's own hooks, in the order MAX's `load_model` calls
-them (`_create_model_config` reads the weights plan off the quantized state dict,
-`_prepare_state_dict` repacks what MAX's kernel multiplies, `_instantiate_module`
-builds the same `GPT2`), so it is the model's graph over packed projections: the
-fast layers multiply them as they multiply a GGUF's.
+them (`_create_model_config` reads the weights plan off the draft's state dict, a
+smaller GPT-2 taking its shape from its own config, `_prepare_state_dict` repacks
+what MAX's kernel multiplies, `_instantiate_module` builds a `GPT2`), so it is the
+model's graph over the draft's weights: the fast layers multiply packed ones as they
+multiply a GGUF's.
 
 Its keys and values go into pages of its own, as many as the model's cache has and
 addressed through the model's page table: a row's draft entries sit in the pages MAX
@@ -15,8 +23,10 @@ extension's to track (`model.Speculation`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -25,13 +35,19 @@ from max import tree
 from max.driver import Buffer
 from max.experimental import functional as F
 from max.experimental.tensor import default_dtype
-from max.graph.weights import WeightData
+from max.graph.weights import WeightData, Weights, load_weights, weights_format
+from transformers import AutoConfig
 
 from ..bursts.model import step_inputs
+from ..encodings import PACKED_TYPES
+from ..gguf.adapter import metadata
 from ..gguf.quants import quantize
 from ..inputs import GPT2Inputs
+from ..model_config import GPT2ArchConfig, shape_fields, validate_huggingface_config
 from ..names import PACKAGE
 from ..settings import setting
+from ..tools.gguf_config import huggingface_config as gguf_huggingface_config
+from ..weights.formats import formats, release
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import block_type, packed_weight
 from ..weights.schema import is_projection_weight, ties_word_embeddings
@@ -81,24 +97,93 @@ def quantized_state(state: dict[str, WeightData], kind: str, tied: bool) -> dict
     return draft
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of the draft `path` names: a GGUF file, or a folder's files of
+    the first format it holds (`weights.formats`)."""
+    if path.is_file():
+        return [path]
+    for weight_format in formats():
+        if files := sorted(path.glob(f"*{weight_format.suffix}")):
+            return files
+    suffixes = ", ".join(f.suffix for f in formats())
+    raise ValueError(f"{ENV}={path}: the folder holds no weights ({suffixes})")
+
+
+def checkpoint_config(path: Path, files: list[Path]) -> Any:
+    """The draft's transformers config: the folder's `config.json`, else the GGUF's own
+    metadata."""
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    reader = gguf.GGUFReader(files[0])
+    return gguf_huggingface_config(metadata(reader), {t.name for t in reader.tensors})
+
+
+def check_fits(config: Any, model: Any) -> None:
+    """Refuses a draft whose tokens or positions are not the model's.
+
+    Raises:
+        ValueError: naming the setting, the draft's field and the model's.
+    """
+    validate_huggingface_config(config)
+    if config.vocab_size != model.huggingface_config.vocab_size:
+        raise ValueError(
+            f"{ENV}: the draft has a vocabulary of {config.vocab_size} tokens, the model "
+            f"{model.huggingface_config.vocab_size}; a draft proposes the model's token ids"
+        )
+    if config.n_positions < model.max_seq_len:
+        raise ValueError(
+            f"{ENV}: the draft has {config.n_positions} positions, fewer than the "
+            f"{model.max_seq_len} the model serves"
+        )
+
+
 class Draft:
     """The compiled draft and the pages it writes."""
 
-    def __init__(self, model: Any, kind: str) -> None:
-        """Quantizes `model`'s weights to `kind` and compiles the draft (a second
-        compile, cached by MAX as the model's is)."""
-        tied = ties_word_embeddings(model.huggingface_config)
-        state = quantized_state(model._load_state_dict(), kind, tied)
+    def __init__(self, model: Any, source: str) -> None:
+        """Reads or packs the draft's weights (`source`: a block type or a path) and
+        compiles it (a second compile, cached by MAX as the model's is)."""
+        weights: Weights | None = None
+        if source in PACKED_TYPES:
+            hf_config = model.huggingface_config
+            state = quantized_state(
+                model._load_state_dict(), source, ties_word_embeddings(hf_config)
+            )
+        else:
+            path = Path(source)
+            files = checkpoint_files(path)
+            hf_config = checkpoint_config(path, files)
+            check_fits(hf_config, model)
+            fmt = next(f for f in formats() if f.name == weights_format(files))
+            for file in files:
+                fmt.check(file)
+            weights = load_weights(files)
+            state = fmt.adapter(dict(weights.items()), huggingface_config=hf_config)
         config = model._create_model_config(state)
+        if hf_config is not model.huggingface_config:
+            config = dataclasses.replace(
+                config, **shape_fields(hf_config),
+                kv_params=GPT2ArchConfig.construct_kv_params(
+                    huggingface_config=hf_config, pipeline_config=model.pipeline_config,
+                    devices=config.devices, kv_cache_config=model.kv_cache_config,
+                    cache_dtype=config.kv_params.dtype,
+                ),
+            )
         state = model._prepare_state_dict(state, config)
-        logger.info(f"{PACKAGE}: compiling the draft ({ENV}={kind})")
+        logger.info(f"{PACKAGE}: compiling the draft ({ENV}={source})")
         with F.lazy(), default_dtype(model._module_default_dtype(state, config)):
             module = model._instantiate_module(config)
         self._graph: Callable[..., Any] = module.compile(
             *model._get_compile_input_types(config), weights=state
         )
+        if weights is not None:
+            release(weights)
         self.kv_params = config.kv_params
-        self.kind = kind
+        self.description = (
+            f"the model's own weights in {source}" if weights is None else
+            f"{path} (a GPT-2 of {config.num_layers} layer"
+            f"{'s' if config.num_layers > 1 else ''}, {config.hidden_size} wide)"
+        )
         self._blocks: Buffer | None = None
 
     def _pages(self, first: GPT2Inputs) -> Buffer:

@@ -83,6 +83,9 @@ class Speculation(Extension):
         self._passes = 0
         self._tally = np.zeros(3, dtype=np.int64)
         """Rounds of rows, tokens drafted, drafted tokens kept, since the start."""
+        self._requests: dict[Any, tuple[TextContext, np.ndarray]] = {}
+        """The same per request that had rounds, with its context, said when it ends
+        (`_say_request`)."""
 
     def load(self, model: Any, load: Callable[[], Any]) -> Any:
         compiled = load()
@@ -99,8 +102,8 @@ class Speculation(Extension):
             return compiled
         self._draft = Draft(model, self._kind)
         logger.info(
-            f"{PACKAGE}: decode drafts up to {self._pace.most} tokens a round with the model's own "
-            f"weights in {self._kind}, and the model keeps what it would have chosen"
+            f"{PACKAGE}: decode drafts up to {self._pace.most} tokens a round with "
+            f"{self._draft.description}, and the model keeps what it would have chosen"
         )
         return compiled
 
@@ -125,6 +128,9 @@ class Speculation(Extension):
         """Keeps each row's draft length within what the model's cache holds (an evicted
         request starts over), and forgets requests not seen for `FORGET_AFTER` passes."""
         self._passes += 1
+        for request, (context, _) in list(self._requests.items()):
+            if context.is_done:
+                self._say_request(request)  # it ended at a plain step of the last pass
         for context in contexts:
             held, _ = self._drafted.get(context.request_id, (0, 0))
             self._drafted[context.request_id] = (
@@ -135,6 +141,8 @@ class Speculation(Extension):
                 request: entry for request, entry in self._drafted.items()
                 if self._passes - entry[1] < FORGET_AFTER
             }
+            for request in set(self._requests) - set(self._drafted):
+                self._say_request(request)  # ended at a stop string, or cancelled
 
     def _rounds(
         self, model: Any, inputs: GPT2Inputs, run: Callable[[ModelInputs], ModelOutputs],
@@ -168,9 +176,11 @@ class Speculation(Extension):
             ):
                 break
             mark = now
-        for context, row_tokens in zip(contexts, made, strict=True):
+        for context, row_tokens, row_all, end in zip(contexts, made, tokens, ends, strict=True):
             assert isinstance(context, BurstContext)
             context.expect_burst(row_tokens)
+            if end.intersection(row_tokens) or len(row_all) >= context.max_length:
+                self._say_request(context.request_id)
         return returned
 
     def _round(
@@ -215,6 +225,10 @@ class Speculation(Extension):
                         checked_at - drafted_at)
         self._report(k, kept)
         for row, context in enumerate(contexts):
+            _, tally = self._requests.setdefault(
+                context.request_id, (context, np.zeros(3, dtype=np.int64))
+            )
+            tally += (1, k, len(kept[row]) - 1)
             # The draft holds the row's tokens through x and the drafted ones kept, but
             # never wrote the last drafted token's entry.
             valid = int(newest[row]) + 1 + min(len(kept[row]) - 1, k - 1)
@@ -232,6 +246,18 @@ class Speculation(Extension):
                 f"tokens kept ({taken / drafted:.0%}), {(taken + rounds) / rounds:.2f} "
                 "tokens a row a round"
             )
+
+    def _say_request(self, request: Any) -> None:
+        """Logs what a request's rounds kept, once it ends (or is forgotten)."""
+        if request not in self._requests:
+            return
+        _, tally = self._requests.pop(request)
+        rounds, drafted, taken = (int(n) for n in tally)
+        logger.info(
+            f"{PACKAGE}: request {request}: {taken} of {drafted} drafted tokens kept "
+            f"({taken / max(drafted, 1):.0%}) in {rounds} rounds of {drafted / rounds:.1f} "
+            f"drafted, {(taken + rounds) / rounds:.2f} tokens a round"
+        )
 
     @staticmethod
     def _for_max(logits: np.ndarray, rows: list[RowSampling], kept: list[list[int]]

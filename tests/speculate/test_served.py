@@ -9,17 +9,23 @@ mid-round, a page boundary, the window's end and concurrent rows; rows a draft d
 not serve (top-k, top-p, log-probabilities) answer as before. A request sampled at a
 temperature takes a draft: asked twice with one seed it answers the same. The log of
 the server that drafts every round says drafted tokens were kept, so the rounds ran.
+The draft is the model's weights packed at load, or another GPT-2 named by path: the
+model cut to its first layer (a cache of another shape), as a checkpoint folder and
+as a GGUF file.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
 import pytest
+from transformers import GPT2LMHeadModel
 
 from gpt2_max.settings import setting
 from gpt2_max.speculate.draft import ENV
+from gpt2_max.testing.reference import load_reference, save_gguf, save_transformers_layout
 from gpt2_max.testing.server import max_serve
 from tests.bursts.test_served import answers, same_answers
 
@@ -28,26 +34,63 @@ pytestmark = pytest.mark.tier("serve")
 SAMPLED = "seeded temperature"
 """The case a draft answers with the model's distribution rather than its tokens."""
 
+ARGS = ("--max-batch-size", "4", "--enable-min-tokens")
 
-@pytest.fixture(scope="module", params=[("float32", "q8_0", "0"), ("q4_k_m", "q4_0", "1")],
+
+DRAFTS = [
+    ("float32", "q8_0", "0"),
+    ("q4_k_m", "q4_0", "1"),
+    ("float32", "first-layer", "0"),
+    ("float32", "first-layer.gguf", "0"),
+]
+"""(the model's weights, the draft, `GPT2_MAX_DRAFT_PACE`): a block type packs the
+model's weights; "first-layer" is the model cut to its first layer, a folder or a
+q8_0 GGUF file."""
+
+
+def first_layer(model: GPT2LMHeadModel, folder: Path, gguf: bool) -> Path:
+    """`model` with its first block alone, as a checkpoint folder or a GGUF file."""
+    cut = copy.deepcopy(model)
+    cut.transformer.h = cut.transformer.h[:1]
+    cut.config.n_layer = 1
+    if gguf:
+        return save_gguf(cut, folder, "q8_0")
+    return save_transformers_layout(cut, folder)
+
+
+@pytest.fixture(scope="module")
+def plain_answers(checkpoints, quantized_model, gguf_files, tmp_path_factory):
+    """The answers of a server without a draft, per weights, asked once."""
+    cache: dict[str, tuple[Path, dict]] = {}
+
+    def get(weights: str) -> tuple[Path, dict]:
+        if weights not in cache:
+            path: Path = (checkpoints("default", "hub") if weights == "float32"
+                          else gguf_files(quantized_model, "q4_k_m").parent)
+            log = tmp_path_factory.mktemp(f"plain-{weights}") / "server.log"
+            with max_serve(path, *ARGS, log=log) as server:
+                cache[weights] = (path, answers(server.url, None, again=[SAMPLED]))
+        return cache[weights]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=DRAFTS,
                 ids=lambda p: f"{p[0]}-drafted-by-{p[1]}-pace-{p[2]}")
-def served(request, checkpoints, quantized_model, gguf_files, tmp_path_factory) -> tuple:
+def served(request, plain_answers, tmp_path_factory) -> tuple:
     """(no draft, a draft): the answers of two servers of the same weights, and the
     draft server's log. A draft of a model this small costs what the model does, so the
-    pace (`speculate.pace`) mostly turns it off: one server drafts every round
+    pace (`speculate.pace`) mostly turns it off: the servers but one draft every round
     (`GPT2_MAX_DRAFT_PACE=0`), the other drafts as the pace says."""
     weights, draft, pace = request.param
-    path: Path = (checkpoints("default", "hub") if weights == "float32"
-                  else gguf_files(quantized_model, "q4_k_m").parent)
-    logs = tmp_path_factory.mktemp(f"speculate-{weights}")
-    results = []
-    for env in ({}, {ENV: draft, setting("draft_pace").variable: pace}):
-        with max_serve(path, "--max-batch-size", "4", "--enable-min-tokens",
-                       log=logs / f"server{len(results)}.log", env=env) as server:
-            results.append(
-                answers(server.url, results[0] if results else None, again=[SAMPLED])
-            )
-    return (*results, (logs / "server1.log").read_text(), pace == "0")
+    path, plain = plain_answers(weights)
+    logs = tmp_path_factory.mktemp(f"speculate-{weights}-{draft}")
+    if draft.startswith("first-layer"):
+        draft = str(first_layer(load_reference(path), logs / "draft", draft.endswith(".gguf")))
+    env = {ENV: draft, setting("draft_pace").variable: pace}
+    with max_serve(path, *ARGS, log=logs / "server.log", env=env) as server:
+        drafted = answers(server.url, plain, again=[SAMPLED])
+    return plain, drafted, (logs / "server.log").read_text(), pace == "0", draft
 
 
 def test_a_draft_changes_no_greedy_answer(served):
@@ -62,9 +105,13 @@ def test_a_seeded_sampled_request_repeats_with_a_draft(served):
 
 
 def test_the_draft_server_kept_drafted_tokens(served):
-    *_, log, steady = served
+    *_, log, steady, draft = served
     assert "the model keeps what it would have chosen" in log
+    if "/" in draft:
+        assert f"tokens a round with {draft} (a GPT-2 of 1 layer, 64 wide)" in log
     assert "where the burst sampled" not in log  # MAX took every round's first token
     kept = [int(n) for n in re.findall(r"drafts: \d+ row rounds, (\d+) of \d+", log)]
     if steady:
         assert kept and kept[-1] > 0, kept
+        # Each request's own share, said as it ended.
+        assert re.search(r"request \S+: \d+ of \d+ drafted tokens kept", log)
