@@ -25,8 +25,9 @@ rounding flips the top token, and GPT-2 on text is peaked:
 
 For each checkpoint and each draft length: `max serve` without a draft (README's CPU
 settings), `max serve` with `GPT2_MAX_DRAFT=<type>` and `GPT2_MAX_DRAFT_TOKENS=<k>`
-(its greedy tokens checked equal to the first's; the share of drafted tokens kept read
-from its log, which says it every 100 rounds, since the start), `llama-server` on the
+(its greedy tokens checked equal to the first's; the share of drafted tokens kept, and
+how many the pace drafted a round, read from its log, which says each request's as it
+ends), `llama-server` on the
 F32 GGUF of the same weights without a draft, and with the `<type>` GGUF as
 `--model-draft`, `--spec-draft-n-max k --spec-draft-n-min 0` and its default
 `--spec-draft-p-min` (its log gives the share kept, over every request). Each server
@@ -137,12 +138,16 @@ def timed(ask, repeat: int) -> tuple[float, object]:
     return statistics.median(rates), answer
 
 
-def kept_share(log: str) -> float | None:
-    found = re.findall(r"drafts: \d+ row rounds, (\d+) of (\d+) drafted", log)
+def kept_share(log: str) -> tuple[float | None, float | None]:
+    """The share of drafted tokens kept and the tokens drafted a round, over every
+    request of the server's log (each says its own as it ends)."""
+    found = re.findall(
+        r"request \S+: (\d+) of (\d+) drafted tokens kept \(\d+%\) in (\d+) rounds", log
+    )
     if not found:
-        return None
-    kept, drafted = (int(n) for n in found[-1])
-    return kept / drafted
+        return None, None
+    kept, drafted, rounds = (sum(int(row[i]) for row in found) for i in range(3))
+    return kept / max(1, drafted), drafted / rounds
 
 
 def measure(folder: Path, kind: str, tokens: list[int], repeat: int, scratch: Path) -> dict:
@@ -156,11 +161,10 @@ def measure(folder: Path, kind: str, tokens: list[int], repeat: int, scratch: Pa
     for k in tokens:
         log = scratch / f"draft{k}.log"
         env = {**RECOMMENDED, DRAFT_ENV: kind, TOKENS_ENV: str(k)}
-        # Logged every 100 rounds: enough requests that the share is read after them.
         with serve(folder, "--max-batch-size", "4", devices="cpu", log=log, env=env) as server:
             rate, answer = timed(lambda: max_one(server.url), repeat)
         rows[f"max draft {k}"] = rate
-        rows[f"max draft {k} kept"] = kept_share(log.read_text())
+        rows[f"max draft {k} kept"], rows[f"max draft {k} a round"] = kept_share(log.read_text())
         rows[f"max draft {k} exact"] = answer == reference
         extra = ("--model-draft", str(draft), "--spec-type", "draft-simple",
                  "--spec-draft-n-max", str(k),
@@ -192,7 +196,7 @@ def main() -> None:
           f"draft {args.draft}; tokens/s = {NEW_TOKENS} / the request's wall time\n")
     header = ["preset", "selfness", "entropy", "max", "llama"]
     for k in tokens:
-        header += [f"max d{k}", "kept", "exact", f"llama d{k}", "kept"]
+        header += [f"max d{k}", "kept", "drafted a round", "exact", f"llama d{k}", "kept"]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     results = []
@@ -210,6 +214,7 @@ def main() -> None:
                 ours = rows[f"max draft {k}"]
                 cells += [f"{ours:.1f} ({ours / rows['max']:.2f}x)",
                           "-" if share is None else f"{share:.0%}",
+                          "-" if share is None else f"{rows[f'max draft {k} a round']:.1f}",
                           "yes" if rows[f"max draft {k} exact"] else "NO",
                           f"{rows[f'llama draft {k}']:.1f}",
                           "-" if theirs is None else f"{theirs:.0%}"]

@@ -86,14 +86,13 @@ from max.pipelines.sampling.sampling import token_sampler
 from gpt2_max import kernels
 from gpt2_max.cpu_runtime import threads
 from gpt2_max.generate import Generator
-from gpt2_max.gguf.adapter import convert_gguf_state_dict, metadata
+from gpt2_max.gguf.adapter import convert_gguf_state_dict, huggingface_config, metadata
 from gpt2_max.layers import qmatmul
 from gpt2_max.layers.kernel_choice import uses_max_kernel
 from gpt2_max.layers.quantized import repack
 from gpt2_max.shims.internals import gguf_reader
 from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
-from gpt2_max.tools.gguf_config import huggingface_config
 from gpt2_max.weights.hugepages import hugepage_array
 from gpt2_max.weights.plan import block_type
 

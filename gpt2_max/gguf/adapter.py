@@ -42,6 +42,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from max.graph.weights import GGUFWeights, WeightData, Weights
+from transformers import GPT2Config
 
 from ..encodings import PACKED_TYPES
 from ..names import PACKAGE
@@ -65,6 +66,10 @@ KEPT: frozenset[Q] = frozenset(Q[name.upper()] for name in PACKED_TYPES)
 WIDENED = (Q.F16, Q.BF16)
 """Float types read exactly (widened to float32 unless `stays_half`)."""
 
+BOS, EOS = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
+GPT2_DEFAULTS = GPT2Config()
+"""What a GGUF without tokenizer metadata gets: GPT-2's own vocabulary and special ids."""
+
 
 def stays_packed(name: str) -> bool:
     """Whether a quantized tensor `name` is used packed (by a matmul)."""
@@ -87,6 +92,33 @@ def _expect(meta: dict[str, Any], key: str, value: Any, field: str) -> None:
         raise CheckpointError(
             f"GGUF metadata {key}={meta[key]} disagrees with config.json {field}={value}."
         )
+
+
+def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Config:
+    """The transformers config a llama.cpp GPT-2 GGUF implies.
+
+    GGUF has no fields for `activation_function`, `scale_attn_weights`,
+    `scale_attn_by_inverse_layer_idx` or `reorder_and_upcast_attn`; llama.cpp
+    computes GPT-2's defaults (tanh GELU, 1/sqrt(head_dim)), and so does this.
+    """
+    n_embd = int(meta["gpt2.embedding_length"])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    inner = meta.get("gpt2.feed_forward_length")
+    # Stored as float32: its shortest decimal is what was written (1e-05).
+    epsilon = np.float32(meta.get("gpt2.attention.layer_norm_epsilon", 1e-5))
+    return GPT2Config(
+        architectures=["GPT2LMHeadModel"],
+        n_layer=int(meta["gpt2.block_count"]),
+        n_embd=n_embd,
+        n_head=int(meta["gpt2.attention.head_count"]),
+        n_inner=None if inner is None else int(inner),  # None: transformers' 4 * n_embd
+        n_positions=int(meta["gpt2.context_length"]),
+        layer_norm_epsilon=float(str(epsilon)),
+        vocab_size=len(tokens) if tokens else GPT2_DEFAULTS.vocab_size,
+        bos_token_id=int(meta.get(BOS, GPT2_DEFAULTS.bos_token_id)),
+        eos_token_id=int(meta.get(EOS, GPT2_DEFAULTS.eos_token_id)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
 
 
 def check_architecture(meta: dict[str, Any]) -> None:

@@ -40,13 +40,13 @@ from transformers import AutoConfig
 
 from ..bursts.model import step_inputs
 from ..encodings import PACKED_TYPES
+from ..gguf.adapter import huggingface_config as gguf_huggingface_config
 from ..gguf.adapter import metadata
 from ..gguf.quants import quantize
 from ..inputs import GPT2Inputs
 from ..model_config import GPT2ArchConfig, shape_fields, validate_huggingface_config
 from ..names import PACKAGE
 from ..settings import setting
-from ..tools.gguf_config import huggingface_config as gguf_huggingface_config
 from ..weights.formats import formats, release
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import block_type, packed_weight

@@ -15,42 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
-from transformers import GPT2Config
 
-from ..gguf.adapter import check_architecture, metadata
+from ..gguf.adapter import BOS, EOS, check_architecture, huggingface_config, metadata
 from ..tokenizer import copy_tokenizer
-
-BOS, EOS = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
-GPT2_DEFAULTS = GPT2Config()
-"""What a GGUF without tokenizer metadata gets: GPT-2's own vocabulary and special ids."""
-
-
-def huggingface_config(meta: dict[str, Any], tensor_names: set[str]) -> GPT2Config:
-    """The transformers config a llama.cpp GPT-2 GGUF implies.
-
-    GGUF has no fields for `activation_function`, `scale_attn_weights`,
-    `scale_attn_by_inverse_layer_idx` or `reorder_and_upcast_attn`; llama.cpp
-    computes GPT-2's defaults (tanh GELU, 1/sqrt(head_dim)), and so does this.
-    """
-    n_embd = int(meta["gpt2.embedding_length"])
-    tokens = meta.get("tokenizer.ggml.tokens")
-    inner = meta.get("gpt2.feed_forward_length")
-    # Stored as float32: its shortest decimal is what was written (1e-05).
-    epsilon = np.float32(meta.get("gpt2.attention.layer_norm_epsilon", 1e-5))
-    return GPT2Config(
-        architectures=["GPT2LMHeadModel"],
-        n_layer=int(meta["gpt2.block_count"]),
-        n_embd=n_embd,
-        n_head=int(meta["gpt2.attention.head_count"]),
-        n_inner=None if inner is None else int(inner),  # None: transformers' 4 * n_embd
-        n_positions=int(meta["gpt2.context_length"]),
-        layer_norm_epsilon=float(str(epsilon)),
-        vocab_size=len(tokens) if tokens else GPT2_DEFAULTS.vocab_size,
-        bos_token_id=int(meta.get(BOS, GPT2_DEFAULTS.bos_token_id)),
-        eos_token_id=int(meta.get(EOS, GPT2_DEFAULTS.eos_token_id)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-    )
 
 
 def write_tokenizer(meta: dict[str, Any], folder: Path) -> None:
