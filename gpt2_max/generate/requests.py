@@ -18,7 +18,12 @@ from typing import Any
 from llguidance import LLTokenizer
 from max.pipelines.context import SamplingParams, SamplingParamsInput, TextContext
 from max.pipelines.modeling.types import RequestID, TextGenerationRequest
+from max.pipelines.modeling.types.utils.serialization import (
+    msgpack_numpy_decoder,
+    msgpack_numpy_encoder,
+)
 
+from ..arch import gpt2_arch
 from ..names import PACKAGE
 from ..shims.internals import openai_response_format, xgrammar_backend
 from ..stop import StopScanner
@@ -26,6 +31,16 @@ from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenize
 from .detokenize import IncrementalText
 from .results import Mask, Row
 from .xgrammar_mask import XgrammarMask, compile_json_schema
+
+_ENCODE = msgpack_numpy_encoder()
+_DECODE = msgpack_numpy_decoder(gpt2_arch.context_type, copy=True)
+
+
+def as_served(context: TextContext) -> TextContext:
+    """`context` as `max serve`'s model worker holds it: decoded from MAX's message as the
+    architecture's context type, so the rooms that type carries (decode bursts, drafts)
+    run in-process too."""
+    return _DECODE(_ENCODE(context))
 
 
 @dataclass(frozen=True)
@@ -230,7 +245,7 @@ class Requests:
         async def build() -> list[TextContext]:
             return [await self._tokenizer.new_context(request) for request in requests]
 
-        contexts = self._async.submit(asyncio.run, build()).result()
+        contexts = [as_served(c) for c in self._async.submit(asyncio.run, build()).result()]
         for i, context in enumerate(contexts):
             if (length := context.tokens.prompt_length) >= self.window:
                 raise ValueError(

@@ -54,8 +54,16 @@ def run(pipeline: StepRecorder, rows: list[Row]) -> Iterator[tuple[int, str]]:
         while not batch.done:
             for index, new_tokens in batch.step().items():
                 row = rows[index]
-                _advance(pipeline, row, new_tokens)
-                piece = row.stops.feed(row.text.feed(row.tokens))
+                piece = ""
+                # Sampled tokens of one execute (a decode burst, a draft's round) are
+                # taken one at a time, as steps of their own would bring them, so a stop
+                # string ends the row at the token that completes it.
+                each = [new_tokens] if row.mask else [[token] for token in new_tokens]
+                for taken, tokens in enumerate(each, 1):
+                    _advance(pipeline, row, tokens)
+                    piece += row.stops.feed(row.text.feed(row.tokens))
+                    if row.stops.stopped or taken == len(each):
+                        break
                 if not _continues(row):
                     piece += row.stops.feed(row.text.flush(row.tokens)) + row.stops.flush()
                     row.finish_reason = "stop" if row.stops.stopped else row.finish_reason

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2_max.settings import CPU_DECODE_STEPS
 from gpt2_max.stop import cut_at_stop
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 
@@ -32,6 +33,16 @@ def test_generate_matches_transformers(generator, hf_models):
         assert result.text == generator.decode(result.token_ids)
 
 
+def test_decode_runs_in_bursts_in_process(generator, hf_models):
+    # The contexts are the ones `max serve`'s worker holds (`requests.as_served`), so a
+    # decode pass runs up to `decode_steps` steps in-process too, with the same tokens.
+    prompt = random_prompt(5, seed=7)
+    before = generator.model_steps
+    result = generator.generate(prompt, 40, ignore_eos=True)
+    assert result.token_ids == hf_tokens(hf_models, prompt, 40)
+    assert generator.model_steps - before < 20
+
+
 def test_generate_batch_mixed_lengths_matches_transformers(generator, hf_models):
     # Ten prompts: more than max_batch_size, so two ragged groups.
     lengths = (1, 3, 17, 130, 9, 64, 2, 40, 5, 90)
@@ -47,7 +58,8 @@ def test_stream_joins_to_generate_text(generator):
     full = generator.generate(prompt, 40, ignore_eos=True)
     pieces = list(generator.stream(prompt, 40, ignore_eos=True))
     assert "".join(pieces) == full.text == generator.decode(full.token_ids)
-    assert len(pieces) > 10 and all(pieces)
+    # A piece a step: a decode burst's tokens (up to 8 a step here) come as one.
+    assert len(pieces) >= 40 // CPU_DECODE_STEPS and all(pieces)
 
 
 def test_stream_cancel_frees_the_row(generator, hf_models):
@@ -67,7 +79,10 @@ def test_stop_strings_and_stop_tokens(generator):
     stopped = generator.generate(prompt, 30, stop=[stop, "never-generated"])
     assert stopped.finish_reason == "stop"
     assert stopped.text == cut_at_stop(full.text, [stop])[0]
-    assert len(stopped.token_ids) < len(full.token_ids)
+    # Its tokens end at the one that completes the stop, inside a decode burst too.
+    tokens = full.token_ids
+    ends = next(n for n in range(len(tokens)) if stop in generator.decode(tokens[:n]))
+    assert stopped.token_ids == tokens[:ends]
     pieces = list(generator.stream(prompt, 30, stop=stop))
     assert "".join(pieces) == stopped.text
     stop_token = full.token_ids[5]
@@ -107,8 +122,9 @@ def test_branches_share_one_prefill(generator, hf_models):
     shared = (len(prompt) - 1) // page * page
     before = generator.model_steps
     greedy = generator.branches(prompt, 3, NEW_TOKENS, ignore_eos=True)
-    # One prefill step, then one batched step per token advancing all branches.
-    assert generator.model_steps - before == 1 + NEW_TOKENS
+    # One prefill step, then batched steps advancing all branches (decode bursts carry
+    # several tokens out of one).
+    assert 1 < generator.model_steps - before <= 1 + NEW_TOKENS
     # Every branch found the prompt's full pages cached by the single prefill ...
     assert [b.cached_tokens for b in greedy] == [shared] * 3 and shared >= 256
     # ... and the shared pages hold exactly what a prefill of its own computes.
