@@ -5,6 +5,7 @@ weights, and the share of drafted tokens each kept.
     PYTHONPATH=.:benchmarks python benchmarks/bench_speculate.py              # gpt2 shape
     PYTHONPATH=.:benchmarks python benchmarks/bench_speculate.py --presets gpt2-large,gpt2-xl
     PYTHONPATH=.:benchmarks python benchmarks/bench_speculate.py --selfness 0.5,1,2 --tokens 2,4
+    PYTHONPATH=.:benchmarks python benchmarks/bench_speculate.py --presets gpt2-xl --draft layers:4
 
 The checkpoints are random (GPT-2's own initialization, std 0.02) with two knobs, since
 random weights at a small spread give nearly flat next-token distributions where any
@@ -23,12 +24,18 @@ rounding flips the top token, and GPT-2 on text is peaked:
   loss, and GPT-2 small's loss on OpenWebText is 3.1 nats a token, nanoGPT's
   evaluation); the report gives the entropy reached.
 
+The draft (`--draft`) is the checkpoint's own weights in a block type (`q4_0`), or
+`layers:N`, its first N blocks with its tables and final norm as a GPT-2 of their own
+(a smaller GPT-2 of the same vocabulary, named to the package by path; llama-server
+drafts with its F32 GGUF): a draft that costs N layers of the model's and agrees with
+it as far as those layers decide the next token.
+
 For each checkpoint and each draft length: `max serve` without a draft (README's CPU
-settings), `max serve` with `GPT2_MAX_DRAFT=<type>` and `GPT2_MAX_DRAFT_TOKENS=<k>`
+settings), `max serve` with `GPT2_MAX_DRAFT` naming the draft and `GPT2_MAX_DRAFT_TOKENS=<k>`
 (its greedy tokens checked equal to the first's; the share of drafted tokens kept, and
 how many the pace drafted a round, read from its log, which says each request's as it
 ends), `llama-server` on the
-F32 GGUF of the same weights without a draft, and with the `<type>` GGUF as
+F32 GGUF of the same weights without a draft, and with the draft's GGUF as
 `--model-draft`, `--spec-draft-n-max k --spec-draft-n-min 0` and its default
 `--spec-draft-p-min` (its log gives the share kept, over every request). Each server
 answers a warm-up, then `--repeat` greedy requests of the same 16-token prompt and 128
@@ -51,7 +58,8 @@ import numpy as np
 import torch
 from bench_serve import CHECKPOINTS, THREADS, gguf_file, serve
 from bench_start import cpu_model
-from transformers import GPT2LMHeadModel
+from safetensors.numpy import load_file
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.settings import setting
 from gpt2_max.speculate.draft import ENV as DRAFT_ENV
@@ -93,6 +101,28 @@ def peaked_checkpoint(preset: str, selfness: float, entropy: float) -> tuple[Pat
     reached = mean_entropy(logits * gain)
     facts.write_text(json.dumps({"gain": gain, "entropy": reached}))
     return folder, {"gain": gain, "entropy": reached}
+
+
+def first_layers(folder: Path, n: int) -> Path:
+    """The checkpoint's first `n` blocks with its tables and final norm: a smaller GPT-2
+    of the same vocabulary, for `GPT2_MAX_DRAFT=<path>` (written once)."""
+    out = folder.with_name(f"{folder.name}-first{n}")
+    if not (out / "model.safetensors").exists():
+        config = GPT2Config.from_pretrained(folder)
+        config.n_layer = n
+        state = {k: v for k, v in load_file(folder / "model.safetensors").items()
+                 if not k.startswith("h.") or int(k.split(".")[1]) < n}
+        save_hub_checkpoint(out, config, state)
+    return out
+
+
+def draft_for(folder: Path, kind: str) -> tuple[str, Path]:
+    """`GPT2_MAX_DRAFT` for `--draft kind` (a block type, or `layers:N`), and the GGUF
+    llama-server drafts with: the same weights in that type, or the smaller GPT-2's F32."""
+    if kind.startswith("layers:"):
+        smaller = first_layers(folder, int(kind.removeprefix("layers:")))
+        return str(smaller), gguf_file(smaller, "f32")
+    return kind, gguf_file(folder, kind)
 
 
 def mean_entropy(logits: torch.Tensor) -> float:
@@ -155,12 +185,13 @@ def measure(folder: Path, kind: str, tokens: list[int], repeat: int, scratch: Pa
     with serve(folder, "--max-batch-size", "4", devices="cpu", log=scratch / "plain.log",
                env=RECOMMENDED) as server:
         rows["max"], reference = timed(lambda: max_one(server.url), repeat)
-    f32, draft = gguf_file(folder, "f32"), gguf_file(folder, kind)
+    f32 = gguf_file(folder, "f32")
+    ours, draft = draft_for(folder, kind)
     with llama_cpp_tools.server(f32, THREADS, parallel=1, ctx_per_slot=512) as url:
         rows["llama"], _ = timed(lambda: llama_one(url), repeat)
     for k in tokens:
         log = scratch / f"draft{k}.log"
-        env = {**RECOMMENDED, DRAFT_ENV: kind, TOKENS_ENV: str(k)}
+        env = {**RECOMMENDED, DRAFT_ENV: ours, TOKENS_ENV: str(k)}
         with serve(folder, "--max-batch-size", "4", devices="cpu", log=log, env=env) as server:
             rate, answer = timed(lambda: max_one(server.url), repeat)
         rows[f"max draft {k}"] = rate
