@@ -13,8 +13,9 @@ of their KV page are left to it, and rounds stop at the burst budget or when a
 request arrives. What is here:
 
 - `draft.py`: the draft, the model's weights packed at load in the block type
-  `GPT2_MAX_DRAFT` names, compiled by the model's own hooks, writing its cache into
-  pages of its own behind the model's page table;
+  `GPT2_MAX_DRAFT` names, or the smaller GPT-2 whose folder or GGUF file it names,
+  compiled by the model's own hooks, writing its cache into pages of its own behind
+  the model's page table;
 - `accept.py`: which drafted tokens a row keeps (greedy, or rejection sampling);
 - `pace.py`: how many tokens a round drafts, none where drafting does not pay;
 - `model.py`: the extension that runs a decode pass as rounds of drafting and checking.
