@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
+import psutil
 from max import tree
 from max.driver import Buffer
 from max.experimental import functional as F
@@ -53,6 +55,10 @@ from ..weights.plan import block_type, packed_weight
 from ..weights.schema import is_projection_weight, ties_word_embeddings
 
 logger = logging.getLogger("max.pipelines")
+
+FREE_SHARE = 0.8
+"""The most of the memory left at the first step that the model's cache and the
+draft's together may take."""
 
 ENV = setting("draft").variable
 
@@ -186,24 +192,35 @@ class Draft:
         )
         self._blocks: Buffer | None = None
 
-    def _pages(self, first: GPT2Inputs) -> Buffer:
-        """The draft's pages: as many as the model's cache has, allocated once."""
-        if self._blocks is None:
-            (kv,) = first.kv_cache_inputs
-            shape = (int(kv.kv_blocks.shape[0]), *self.kv_params.shape_per_block)
-            self._blocks = Buffer(shape=shape, dtype=self.kv_params.dtype,
-                                  device=first.tokens.device)
-            logger.info(
-                f"{PACKAGE}: the draft's cache takes %.0f MiB beside the model's",
-                self._blocks.num_elements * self.kv_params.dtype.size_in_bytes / 2**20,
+    def allocate(self, first: GPT2Inputs) -> str | None:
+        """Allocates the draft's pages, as many as the model's cache has, on the first
+        step; or says why not: they would not fit in the memory left (MAX sized the
+        model's cache to what was free, so a self-draft at MAX's defaults may not)."""
+        if self._blocks is not None:
+            return None
+        (kv,) = first.kv_cache_inputs
+        shape = (int(kv.kv_blocks.shape[0]), *self.kv_params.shape_per_block)
+        need = math.prod(shape) * self.kv_params.dtype.size_in_bytes
+        # The model's pages may not be resident yet: counted as if they will all be.
+        model = kv.kv_blocks.num_elements * kv.kv_blocks.dtype.size_in_bytes
+        free = psutil.virtual_memory().available
+        if need + model > FREE_SHARE * free:
+            return (
+                f"the draft's cache ({need / 2**20:.0f} MiB for the model's {shape[0]} "
+                f"pages) and the model's ({model / 2**20:.0f} MiB) do not fit in the "
+                f"{free / 2**20:.0f} MiB left; size the model's cache with "
+                "--max-batch-total-tokens (or a smaller --max-batch-size)"
             )
-        return self._blocks
+        self._blocks = Buffer(shape=shape, dtype=self.kv_params.dtype, device=first.tokens.device)
+        logger.info(f"{PACKAGE}: the draft's cache takes %.0f MiB beside the model's", need / 2**20)
+        return None
 
     def logits(self, first: GPT2Inputs, rows: Sequence[np.ndarray], starts: np.ndarray
                ) -> np.ndarray:
         """The draft's next-token logits (`[len(rows), vocab]`) after each row's tokens
         `rows[r]`, placed from position `starts[r]`, where the row's draft cache ends."""
-        inputs = step_inputs(first, self.kv_params, rows, starts, kv_blocks=self._pages(first))
+        assert self._blocks is not None, "allocate() the draft's pages first"
+        inputs = step_inputs(first, self.kv_params, rows, starts, kv_blocks=self._blocks)
         # Raw, as the model's own steps run (`cpu_runtime`): no `Tensor` wrapping.
         out = tree.unflatten(self._graph.out_tree, self._graph.execute_raw(*inputs.buffers))
         return out.next_token_logits.to_numpy()

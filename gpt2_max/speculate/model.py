@@ -122,6 +122,10 @@ class Speculation(Extension):
         rooms = np.array([extra_steps(c, model.kv_params.page_size) for c in inputs.contexts])
         if any(row is None for row in rows) or rooms.min() <= 0:
             return run(inputs)
+        if (refused := self._draft.allocate(inputs)) is not None:
+            logger.warning(f"{PACKAGE}: {refused}; decoding without a draft")
+            self._draft = None
+            return run(inputs)
         return self._rounds(model, inputs, run, rows, rooms)
 
     def _note_passes(self, contexts: Any) -> None:

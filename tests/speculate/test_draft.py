@@ -1,14 +1,24 @@
 """Which GPT-2 may draft for a model: read from a folder or a GGUF file, refused by
-name where its tokens or positions are not the model's."""
+name where its tokens or positions are not the model's; its cache, as many pages as
+the model's in its own shape, or none where that does not fit."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import psutil
 import pytest
+from max.driver import CPU, Buffer
+from max.dtype import DType
 from transformers import GPT2Config
 
-from gpt2_max.speculate.draft import ENV, check_fits, checkpoint_config, checkpoint_files
+from gpt2_max.speculate.draft import (
+    ENV,
+    Draft,
+    check_fits,
+    checkpoint_config,
+    checkpoint_files,
+)
 from gpt2_max.testing.reference import TINY, load_reference, save_gguf, write_tiny_checkpoint
 
 pytestmark = pytest.mark.tier("unit")
@@ -51,3 +61,35 @@ def test_a_gguf_file_gives_its_own_shape(tmp_path):
 def test_a_folder_without_weights_is_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"{ENV}=.*: the folder holds no weights"):
         checkpoint_files(tmp_path)
+
+
+def first_step(pages: int) -> SimpleNamespace:
+    """What `Draft.allocate` reads of a step's inputs: the model's cache and device."""
+    blocks = Buffer(shape=(pages, 2, 2, 16, 4, 16), dtype=DType.float32)
+    return SimpleNamespace(kv_cache_inputs=[SimpleNamespace(kv_blocks=blocks)],
+                           tokens=SimpleNamespace(device=CPU()))
+
+
+def unbuilt_draft(layers: int) -> Draft:
+    """A `Draft`'s cache bookkeeping without its compile: `layers` of 4 heads of 16."""
+    draft = Draft.__new__(Draft)
+    draft.kv_params = SimpleNamespace(shape_per_block=[2, layers, 16, 4, 16], dtype=DType.float32)
+    draft._blocks = None
+    return draft
+
+
+def test_the_draft_takes_as_many_pages_as_the_model_in_its_own_shape(monkeypatch):
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**30))
+    draft = unbuilt_draft(layers=1)
+    assert draft.allocate(first_step(pages=9)) is None
+    assert tuple(draft._blocks.shape) == (9, 2, 1, 16, 4, 16)
+    assert draft.allocate(first_step(pages=9)) is None  # once
+
+
+def test_a_draft_cache_that_does_not_fit_beside_the_models_is_refused(monkeypatch):
+    # 64 pages of 16 KiB each for the model and for the draft: 2 MiB, in 2 MiB left.
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2**21))
+    draft = unbuilt_draft(layers=2)
+    refused = draft.allocate(first_step(pages=64))
+    assert refused is not None and "--max-batch-total-tokens" in refused
+    assert draft._blocks is None
