@@ -50,6 +50,8 @@ import re
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import httpx
@@ -233,7 +235,12 @@ def main() -> None:
     results = []
     for preset in args.presets.split(","):
         for selfness in (float(s) for s in args.selfness.split(",")):
-            folder, facts = peaked_checkpoint(preset, selfness, args.entropy)
+            # Written in a process of its own: transformers' copy of a large model would
+            # otherwise stay in this one's memory, and MAX refuses to start beside it.
+            with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+                folder, facts = pool.submit(
+                    peaked_checkpoint, preset, selfness, args.entropy
+                ).result()
             with tempfile.TemporaryDirectory(prefix="gpt2-max-speculate-") as scratch:
                 rows = measure(folder, args.draft, tokens, args.repeat, Path(scratch))
             results.append({"preset": preset, "selfness": selfness, **facts, **rows})
