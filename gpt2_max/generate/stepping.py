@@ -59,10 +59,10 @@ def run(pipeline: StepRecorder, rows: list[Row]) -> Iterator[tuple[int, str]]:
                 # taken one at a time, as steps of their own would bring them, so a stop
                 # string ends the row at the token that completes it.
                 each = [new_tokens] if row.mask else [[token] for token in new_tokens]
-                for taken, tokens in enumerate(each, 1):
+                for tokens in each:
                     _advance(pipeline, row, tokens)
                     piece += row.stops.feed(row.text.feed(row.tokens))
-                    if row.stops.stopped or taken == len(each):
+                    if row.stops.stopped:
                         break
                 if not _continues(row):
                     piece += row.stops.feed(row.text.flush(row.tokens)) + row.stops.flush()

@@ -253,9 +253,9 @@ class Speculation(Extension):
 
     def _say_request(self, request: Any) -> None:
         """Logs what a request's rounds kept, once it ends (or is forgotten)."""
-        if request not in self._requests:
+        if (entry := self._requests.pop(request, None)) is None:
             return
-        _, tally = self._requests.pop(request)
+        _, tally = entry
         rounds, drafted, taken = (int(n) for n in tally)
         logger.info(
             f"{PACKAGE}: request {request}: {taken} of {drafted} drafted tokens kept "
