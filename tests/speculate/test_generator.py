@@ -9,7 +9,6 @@ its log says drafted tokens were kept.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 
 from gpt2_max.settings import setting
 from gpt2_max.testing.reference import hf_greedy, random_prompt
+from gpt2_max.testing.server import child_env
 
 pytestmark = pytest.mark.tier("model")
 
@@ -40,8 +40,7 @@ def test_the_generator_drafts_and_keeps_the_models_tokens(checkpoints, hf_models
     expected = [hf_greedy(hf_models("default"), p, NEW_TOKENS)[0] for p in prompts]
     text = generator.decode(expected[0])
     stop = text[len(text) // 2:][:3]
-    env = {**os.environ, setting("draft").variable: "q8_0",
-           setting("draft_pace").variable: "0"}
+    env = child_env(**{setting("draft").variable: "q8_0", setting("draft_pace").variable: "0"})
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT.format(n=NEW_TOKENS),
          str(checkpoints("default", "hub")), json.dumps([prompts, stop])],
