@@ -127,6 +127,14 @@ def draft_for(folder: Path, kind: str) -> tuple[str, Path]:
     return kind, gguf_file(folder, kind)
 
 
+def prepared(preset: str, selfness: float, entropy: float, kind: str) -> tuple[Path, dict]:
+    """`peaked_checkpoint`, with the GGUF files both servers read written beside it."""
+    folder, facts = peaked_checkpoint(preset, selfness, entropy)
+    gguf_file(folder, "f32")
+    draft_for(folder, kind)
+    return folder, facts
+
+
 def mean_entropy(logits: torch.Tensor) -> float:
     """Mean entropy in nats of the rows of `logits`."""
     log_p = torch.log_softmax(logits, dim=-1)
@@ -235,11 +243,12 @@ def main() -> None:
     results = []
     for preset in args.presets.split(","):
         for selfness in (float(s) for s in args.selfness.split(",")):
-            # Written in a process of its own: transformers' copy of a large model would
-            # otherwise stay in this one's memory, and MAX refuses to start beside it.
+            # Written in a process of its own: transformers' copy of a large model and
+            # the GGUF writer's would otherwise stay in this one's memory, and MAX
+            # refuses to start beside them.
             with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
                 folder, facts = pool.submit(
-                    peaked_checkpoint, preset, selfness, args.entropy
+                    prepared, preset, selfness, args.entropy, args.draft
                 ).result()
             with tempfile.TemporaryDirectory(prefix="gpt2-max-speculate-") as scratch:
                 rows = measure(folder, args.draft, tokens, args.repeat, Path(scratch))

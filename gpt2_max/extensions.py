@@ -11,7 +11,10 @@ there, and offers what it adds under agreed names, each optional:
   outermost first; no room is a base class of the model) and may put another
   token sampler in the text pipeline's hands;
 - `context_type(base)`: the architecture's context type, made from `base`;
-- `WEIGHT_FORMAT`: a `weights.formats.WeightFormat` the architecture loads.
+- `WEIGHT_FORMAT`: a `weights.formats.WeightFormat` the architecture loads;
+- `memory(pipeline_config, huggingface_config, kv_params)`: a `Beside`, the memory
+  the room takes beside the model's weights and cache, which the memory planner
+  leaves it (None: none).
 
 A copy of the package that deletes a room loses that room's feature and nothing
 else; a room that is there but fails to import fails the start, as any import would.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -32,6 +36,19 @@ speculative pass's checking steps go through the bursts' extension (which leaves
 them be) and decode bursts run several of the runtime policy's steps."""
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Beside:
+    """Memory a room takes beside the model's weights and KV cache."""
+
+    fixed: int = 0
+    """Bytes whatever the cache's size (a draft's weights)."""
+    per_page: int = 0
+    """Bytes for each page of the model's KV cache (a draft's own pages)."""
+
+    def __add__(self, other: Beside) -> Beside:
+        return Beside(self.fixed + other.fixed, self.per_page + other.per_page)
 
 
 class Extension:
@@ -88,3 +105,12 @@ def context_type(base: type) -> type:
 def weight_formats() -> list[Any]:
     """The weight formats the rooms add (`weights.formats`)."""
     return [room.WEIGHT_FORMAT for room in rooms() if hasattr(room, "WEIGHT_FORMAT")]
+
+
+def memory_beside(pipeline_config: Any, huggingface_config: Any, kv_params: Any) -> Beside:
+    """The memory the rooms take beside the model's weights and cache (`Beside`)."""
+    total = Beside()
+    for room in rooms():
+        if hasattr(room, "memory"):
+            total += room.memory(pipeline_config, huggingface_config, kv_params) or Beside()
+    return total

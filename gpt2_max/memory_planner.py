@@ -15,9 +15,16 @@ no more. Demand beyond it waits in MAX's scheduler, which admits new requests
 only within the budget and preempts (later resumes) a decoding request when
 pages run out. Without the flag MAX's own sizing is unchanged.
 
+A room that takes memory beside the model's (a speculative draft's weights and
+its own pages, one for each of the model's: `extensions.memory_beside`) is left
+it: without the flag the cache gets the share of the remainder that leaves the
+room its fixed bytes and its bytes for each of the cache's pages.
+
 The planner's only say over the cache is the memory it reserves besides the
 weights (`estimate_activation_memory`); MAX gives the cache what remains of
-the usable free memory. So the reservation is that remainder less the budget.
+the usable free memory (as much of it as `--max-batch-size` full sequences
+take). So the reservation is that remainder less the budget, or less the cache's
+share of it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 from max.driver import load_devices
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 
+from .extensions import Beside, memory_beside
 from .shims.internals import free_memory, planner_config
 
 
@@ -35,6 +43,15 @@ def kv_cache_budget_bytes(kv_params: Any, total_tokens: int) -> int:
     """Bytes of a paged cache holding `total_tokens` tokens, plus the null page."""
     pages = math.ceil(total_tokens / kv_params.page_size) + 1
     return pages * kv_params.bytes_per_block
+
+
+def cache_share(remainder: int, page_bytes: int, beside: Beside) -> int:
+    """Bytes of whole pages the cache may take of `remainder` (the usable memory
+    left after the weights and activations) so that what `beside` takes fits too."""
+    if beside == Beside():
+        return remainder
+    pages = max(0, remainder - beside.fixed) // (page_bytes + beside.per_page)
+    return pages * page_bytes
 
 
 class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
@@ -45,11 +62,11 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
     ) -> int:
         reserved = super().estimate_activation_memory(pipeline_config, huggingface_config)
         total_tokens = pipeline_config.runtime.max_batch_total_tokens
-        if total_tokens is None:
-            return reserved
         config = planner_config(self)
         kv_params = config.get_kv_params()
-        budget = kv_cache_budget_bytes(kv_params, total_tokens)
+        beside = memory_beside(pipeline_config, huggingface_config, kv_params)
+        if total_tokens is None and beside == Beside():
+            return reserved
         model = pipeline_config.model
         usable = int(
             free_memory(load_devices(model.device_specs))
@@ -60,5 +77,9 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
             + self.estimate_signal_buffer_memory(pipeline_config, config)
             + reserved
         )
+        if total_tokens is None:
+            cache = cache_share(usable - static, kv_params.bytes_per_block, beside)
+            return reserved + max(0, usable - static - cache)
+        budget = kv_cache_budget_bytes(kv_params, total_tokens)
         slack = kv_params.bytes_per_block - 1
         return reserved + max(0, usable - static - budget - slack)

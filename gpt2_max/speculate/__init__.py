@@ -27,7 +27,9 @@ without a draft.
 
 from typing import Any
 
+from ..extensions import Beside
 from ..settings import settings
+from .draft import memory as draft_memory
 from .model import Speculation
 
 __all__ = ["Speculation"]
@@ -36,3 +38,10 @@ __all__ = ["Speculation"]
 def extend(model: Any) -> Speculation | None:
     kind = settings().draft
     return None if kind is None else Speculation(kind)
+
+
+def memory(pipeline_config: Any, huggingface_config: Any, kv_params: Any) -> Beside | None:
+    """The draft's weights and pages, which the memory planner leaves it (on the CPU)."""
+    kind = settings().draft
+    on_cpu = all(spec.device_type == "cpu" for spec in pipeline_config.model.device_specs)
+    return draft_memory(kind, huggingface_config, kv_params) if kind and on_cpu else None

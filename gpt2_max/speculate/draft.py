@@ -42,6 +42,7 @@ from transformers import AutoConfig
 
 from ..bursts.model import step_inputs
 from ..encodings import PACKED_TYPES
+from ..extensions import Beside
 from ..gguf.adapter import huggingface_config as gguf_huggingface_config
 from ..gguf.adapter import metadata
 from ..gguf.quants import quantize
@@ -55,10 +56,6 @@ from ..weights.plan import block_type, packed_weight
 from ..weights.schema import is_projection_weight, ties_word_embeddings
 
 logger = logging.getLogger("max.pipelines")
-
-FREE_SHARE = 0.8
-"""The most of the memory left at the first step that the model's cache and the
-draft's together may take."""
 
 ENV = setting("draft").variable
 
@@ -143,6 +140,27 @@ def check_fits(config: Any, model: Any) -> None:
         )
 
 
+def memory(source: str, model_config: Any, kv_params: Any) -> Beside:
+    """What the draft `source` takes beside a model of `model_config` whose cache has
+    pages of `kv_params`: its weights (a self-draft's packed matrices and float
+    tables; a path's files), and a page of its own for each of the model's."""
+    if source in PACKED_TYPES:
+        config = model_config
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[source.upper()]]
+        width, layers = config.n_embd, config.n_layer
+        packed = (12 * layers * width + config.vocab_size) * width * size // block
+        tables = (config.vocab_size + config.n_positions) * width * 4
+        fixed = packed + tables
+    else:
+        files = checkpoint_files(Path(source))
+        config = checkpoint_config(Path(source), files)
+        fixed = sum(file.stat().st_size for file in files)
+    # A page holds keys and values of every layer, `width` each a token.
+    per_page = (kv_params.bytes_per_block * config.n_layer * config.n_embd
+                // (model_config.n_layer * model_config.n_embd))
+    return Beside(fixed=fixed, per_page=per_page)
+
+
 class Draft:
     """The compiled draft and the pages it writes."""
 
@@ -190,12 +208,15 @@ class Draft:
             f"{path} (a GPT-2 of {config.num_layers} layer"
             f"{'s' if config.num_layers > 1 else ''}, {config.hidden_size} wide)"
         )
+        self._share = model.kv_cache_config.device_memory_utilization
         self._blocks: Buffer | None = None
 
     def allocate(self, first: GPT2Inputs) -> str | None:
         """Allocates the draft's pages, as many as the model's cache has, on the first
-        step; or says why not: they would not fit in the memory left (MAX sized the
-        model's cache to what was free, so a self-draft at MAX's defaults may not)."""
+        step; or says why not: they would not fit in the memory left, as a share of
+        it as large as MAX's planner uses (the package's planner leaves the draft its
+        pages unless `--max-batch-total-tokens` sized the model's cache; memory taken
+        since the start may still leave too little)."""
         if self._blocks is not None:
             return None
         (kv,) = first.kv_cache_inputs
@@ -204,7 +225,7 @@ class Draft:
         # The model's pages may not be resident yet: counted as if they will all be.
         model = kv.kv_blocks.num_elements * kv.kv_blocks.dtype.size_in_bytes
         free = psutil.virtual_memory().available
-        if need + model > FREE_SHARE * free:
+        if need + model > self._share * free:
             return (
                 f"the draft's cache ({need / 2**20:.0f} MiB for the model's {shape[0]} "
                 f"pages) and the model's ({model / 2**20:.0f} MiB) do not fit in the "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import gguf
+import numpy as np
 import psutil
 import pytest
 from max.driver import CPU, Buffer
@@ -18,6 +20,7 @@ from gpt2_max.speculate.draft import (
     check_fits,
     checkpoint_config,
     checkpoint_files,
+    memory,
 )
 from gpt2_max.testing.reference import TINY, load_reference, save_gguf, write_tiny_checkpoint
 
@@ -74,6 +77,7 @@ def unbuilt_draft(layers: int) -> Draft:
     """A `Draft`'s cache bookkeeping without its compile: `layers` of 4 heads of 16."""
     draft = Draft.__new__(Draft)
     draft.kv_params = SimpleNamespace(shape_per_block=[2, layers, 16, 4, 16], dtype=DType.float32)
+    draft._share = 0.9
     draft._blocks = None
     return draft
 
@@ -93,3 +97,29 @@ def test_a_draft_cache_that_does_not_fit_beside_the_models_is_refused(monkeypatc
     refused = draft.allocate(first_step(pages=64))
     assert refused is not None and "--max-batch-total-tokens" in refused
     assert draft._blocks is None
+
+
+PAGE = SimpleNamespace(bytes_per_block=4096)
+"""The model's cache pages, as `memory` reads them."""
+
+
+def test_a_self_draft_takes_its_packed_matrices_its_tables_and_a_page_a_page(tmp_path):
+    hf = load_reference(write_tiny_checkpoint(tmp_path / "hub"))
+    packed = floats = 0
+    for name, tensor in hf.state_dict().items():
+        if name.endswith(".weight") and ".h." in name and tensor.ndim == 2:
+            packed += gguf.quants.quantize(tensor.numpy().T, gguf.GGMLQuantizationType.Q8_0).nbytes
+        elif name in ("transformer.wte.weight", "transformer.wpe.weight"):
+            floats += tensor.numel() * 4
+    wte = hf.state_dict()["transformer.wte.weight"].numpy().astype(np.float32)
+    packed += gguf.quants.quantize(wte, gguf.GGMLQuantizationType.Q8_0).nbytes  # the tied head
+    beside = memory("q8_0", hf.config, PAGE)
+    assert beside.fixed == pytest.approx(packed + floats, rel=1e-3)
+    assert beside.per_page == PAGE.bytes_per_block
+
+
+def test_a_smaller_gpt2_takes_its_files_and_a_page_of_its_own_shape_a_page(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "hub", n_layer=1)
+    beside = memory(str(folder), GPT2Config(**TINY), PAGE)
+    assert beside.fixed == sum(f.stat().st_size for f in checkpoint_files(folder))
+    assert beside.per_page == PAGE.bytes_per_block // TINY["n_layer"]
