@@ -114,7 +114,7 @@ SETTINGS: tuple[Setting, ...] = (
             "a block type (`q4_0`, `q8_0`, ...), a copy of the model's weights packed in "
             "it at load; or a smaller GPT-2 with the same vocabulary, a checkpoint folder "
             "or GGUF file; unset, no draft"),
-    Setting("draft_tokens", 4, "`4`", _whole(1, 16),
+    Setting("draft_tokens", 8, "`8`", _whole(1, 16),
             "the most tokens a draft proposes a round before the model checks them "
             "(fewer, or none, where the measured pace says so)"),
     Setting("draft_pace", True, "`1`", _switch,

@@ -14,6 +14,8 @@ from max.driver import CPU, Buffer
 from max.dtype import DType
 from transformers import GPT2Config
 
+from gpt2_max.extensions import Beside, memory_beside
+from gpt2_max.settings import settings
 from gpt2_max.speculate.draft import (
     ENV,
     Draft,
@@ -123,3 +125,36 @@ def test_a_smaller_gpt2_takes_its_files_and_a_page_of_its_own_shape_a_page(tmp_p
     beside = memory(str(folder), GPT2Config(**TINY), PAGE)
     assert beside.fixed == sum(f.stat().st_size for f in checkpoint_files(folder))
     assert beside.per_page == PAGE.bytes_per_block // TINY["n_layer"]
+
+
+@pytest.fixture
+def draft_setting(monkeypatch):
+    """Sets `GPT2_MAX_DRAFT` (None: unsets it) for this test's reading of the settings."""
+
+    def choose(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, value)
+        settings.cache_clear()
+
+    yield choose
+    settings.cache_clear()  # read again, from the environment monkeypatch restores
+
+
+def pipeline(device: str) -> SimpleNamespace:
+    """What the room's `memory` reads of a pipeline config."""
+    spec = SimpleNamespace(device_type=device)
+    return SimpleNamespace(model=SimpleNamespace(device_specs=[spec]))
+
+
+def test_the_planner_leaves_the_room_its_draft_on_the_cpu_alone(draft_setting):
+    config = GPT2Config(**TINY)
+    draft_setting("q8_0")
+    assert memory_beside(pipeline("cpu"), config, PAGE) == memory("q8_0", config, PAGE)
+    assert memory_beside(pipeline("gpu"), config, PAGE) == Beside()
+
+
+def test_without_a_draft_the_planner_leaves_nothing_beside_the_cache(draft_setting):
+    draft_setting(None)
+    assert memory_beside(pipeline("cpu"), GPT2Config(**TINY), PAGE) == Beside()
