@@ -55,7 +55,8 @@ def cache_share(remainder: int, page_bytes: int, beside: Beside) -> int:
 
 
 class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
-    """`PagedMemoryPlanner` whose cache holds `--max-batch-total-tokens` tokens, when set."""
+    """`PagedMemoryPlanner` whose cache holds `--max-batch-total-tokens` tokens, when set,
+    and otherwise leaves the rooms what they take beside it."""
 
     def estimate_activation_memory(
         self, pipeline_config: Any, huggingface_config: Any

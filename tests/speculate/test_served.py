@@ -17,16 +17,21 @@ as a GGUF file.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from transformers import GPT2LMHeadModel
 
+from gpt2_max.names import PACKAGE
 from gpt2_max.settings import setting
 from gpt2_max.speculate.draft import ENV
 from gpt2_max.testing.reference import load_reference, save_gguf, save_transformers_layout
-from gpt2_max.testing.server import max_serve
+from gpt2_max.testing.server import child_env, free_port, max_executable, max_serve
 from tests.bursts.test_served import answers, same_answers
 
 pytestmark = pytest.mark.tier("serve")
@@ -115,3 +120,37 @@ def test_the_draft_server_kept_drafted_tokens(served):
         assert kept and kept[-1] > 0, kept
         # Each request's own share, said as it ended.
         assert re.search(r"request \S+: \d+ of \d+ drafted tokens kept", log)
+
+
+UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def planned_cache_bytes(model: Path, log: Path, env: dict[str, str]) -> float:
+    """The KV cache's bytes in the memory plan of a `max serve` of `model` whose cache
+    the free memory bounds (many rows of full length, a twentieth of the memory),
+    read from the line MAX logs; the server is stopped once it has said it."""
+    args = [max_executable(), "serve", "--custom-architectures", PACKAGE, "--model",
+            str(model), "--devices", "cpu", "--port", str(free_port()),
+            "--max-batch-size", "8192", "--device-memory-utilization", "0.05"]
+    with log.open("w") as out:
+        server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True, env=child_env(**env))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and server.poll() is None:
+            if found := re.search(r"cache_memory: ([\d.]+) (\w+)", log.read_text()):
+                return float(found[1]) * UNITS[found[2]]
+            time.sleep(0.5)
+        raise AssertionError(f"no cache_memory line:\n{log.read_text()[-3000:]}")
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_the_memory_planner_leaves_a_self_draft_its_pages(checkpoints, tmp_path):
+    # A self-draft's pages have the model's shape, so the model's cache gets about
+    # half of what it would without a draft (less the draft's weights, a few MiB).
+    model = checkpoints("default", "hub")
+    alone = planned_cache_bytes(model, tmp_path / "alone.log", {ENV: ""})
+    drafted = planned_cache_bytes(model, tmp_path / "drafted.log", {ENV: "q8_0"})
+    assert 0.4 < drafted / alone < 0.52, (drafted, alone)
