@@ -17,9 +17,7 @@ as a GGUF file.
 from __future__ import annotations
 
 import copy
-import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -27,11 +25,16 @@ from pathlib import Path
 import pytest
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.names import PACKAGE
 from gpt2_max.settings import setting
 from gpt2_max.speculate.draft import ENV
 from gpt2_max.testing.reference import load_reference, save_gguf, save_transformers_layout
-from gpt2_max.testing.server import child_env, free_port, max_executable, max_serve
+from gpt2_max.testing.server import (
+    child_env,
+    free_port,
+    max_serve,
+    serve_command,
+    stop_process_group,
+)
 from tests.bursts.test_served import answers, same_answers
 
 pytestmark = pytest.mark.tier("serve")
@@ -128,9 +131,8 @@ def planned_cache_bytes(model: Path, log: Path, env: dict[str, str]) -> float:
     """The KV cache's bytes in the memory plan of a `max serve` of `model` whose cache
     the free memory bounds (many rows of full length, a twentieth of the memory),
     read from the line MAX logs; the server is stopped once it has said it."""
-    args = [max_executable(), "serve", "--custom-architectures", PACKAGE, "--model",
-            str(model), "--devices", "cpu", "--port", str(free_port()),
-            "--max-batch-size", "8192", "--device-memory-utilization", "0.05"]
+    args = serve_command(model, "--port", str(free_port()), "--max-batch-size", "8192",
+                         "--device-memory-utilization", "0.05")
     with log.open("w") as out:
         server = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True, env=child_env(**env))
@@ -142,8 +144,7 @@ def planned_cache_bytes(model: Path, log: Path, env: dict[str, str]) -> float:
             time.sleep(0.5)
         raise AssertionError(f"no cache_memory line:\n{log.read_text()[-3000:]}")
     finally:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        stop_process_group(server)
 
 
 def test_the_memory_planner_leaves_a_self_draft_its_pages(checkpoints, tmp_path):
