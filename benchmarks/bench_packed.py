@@ -29,7 +29,7 @@ from max.engine import InferenceSession
 
 from gpt2_max.encodings import BLOCK_FLAGS
 from gpt2_max.gguf.quants import quantize
-from gpt2_max.layers import kernel_choice, qmatmul
+from gpt2_max.layers import kernel_choice
 
 D, FF = kernel_choice.D, kernel_choice.FF
 
@@ -53,10 +53,10 @@ def main() -> None:
             for _ in range(args.layers) for shape in ((FF, D), (D, FF))
         ]
         nbytes = sum(b.nbytes for b in blocks)
-        variants = {dot: blocks for dot in args.dots.split(",")}
+        package = kernel_choice.held(encoding, "package", blocks)
+        variants = {dot: package for dot in args.dots.split(",")}
         if encoding in BLOCK_FLAGS:
-            repack = qmatmul.Repacker({encoding})
-            variants["max"] = [repack(encoding, b) for b in blocks]
+            variants["max"] = kernel_choice.held(encoding, "max", blocks)
         for name, weights in variants.items():
             kernel = "max" if name == "max" else "package"
             model = session.load(kernel_choice.chain(encoding, kernel, weights, dot=name))

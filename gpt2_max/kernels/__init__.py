@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from max.dtype import DType
 from max.experimental import functional as F
 from max.experimental.tensor import Tensor
@@ -58,13 +59,40 @@ DOTS = {"auto": 0, "float32": 1, "bfloat16": 2, "int8": 3, "int8x2": 4}
 falls back to float32. Naming one is for tests and benchmarks, which compare them."""
 
 
+GROUP = 16
+"""Q4_0 weight rows the packed kernel reads together, one a vector lane (`interleave`)."""
+INTERLEAVED = frozenset({"q4_0"})
+"""The block types whose layout `interleave` changes."""
+
+
+def interleave(encoding: str, blocks: np.ndarray) -> np.ndarray:
+    """GGUF blocks (`[rows, row_bytes]`) in the layout the packed kernel reads: the
+    file's, except for Q4_0, whose rows go in groups of `GROUP` (`mojo/kquant.mojo`,
+    `_tile_q4_0x16`). Block b of a group is its rows' float16 scales, then for j = 0..3
+    each row's quant bytes 4j .. 4j+3, row after row; the rows past the last whole group
+    stay as they are. Same shape and bytes, so it is done once at load."""
+    if encoding not in INTERLEAVED:
+        return blocks
+    rows, row_bytes = blocks.shape
+    groups, size = rows // GROUP, 18
+    nb = row_bytes // size
+    grouped = blocks[: groups * GROUP].reshape(groups, GROUP, nb, size)
+    scales = grouped[..., :2].transpose(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP)
+    quants = grouped[..., 2:].reshape(groups, GROUP, nb, 4, 4).transpose(0, 2, 3, 1, 4)
+    out = blocks.copy()
+    out[: groups * GROUP] = np.concatenate(
+        [scales, quants.reshape(groups, nb, 16 * GROUP)], axis=-1
+    ).reshape(groups * GROUP, row_bytes)
+    return out
+
+
 def packed_linear(encoding: str, x: Any, w: Any, b: Any, *, dot: str = "auto") -> Tensor:
-    """`x @ dequant(w).T + b`, `w` GGUF blocks of `encoding` as the file stores them."""
+    """`x @ dequant(w).T + b`, `w` GGUF blocks of `encoding` as `interleave` lays them out."""
     return _call("gpt2_packed_linear", x, w, b, fmt=KERNEL_TYPES[encoding], dot=DOTS[dot])
 
 
 def packed_matmul(encoding: str, x: Any, w: Any, *, dot: str = "auto") -> Tensor:
-    """`x @ dequant(w).T`, `w` GGUF blocks of `encoding` (a tied head over a packed table)."""
+    """`x @ dequant(w).T`, `w` as for `packed_linear` (a tied head over a packed table)."""
     return _call("gpt2_packed_matmul", x, w, fmt=KERNEL_TYPES[encoding], dot=DOTS[dot])
 
 

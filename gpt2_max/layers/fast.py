@@ -87,7 +87,9 @@ class FastLayers(Layers):
         weight = f"{name}.weight"
         encoding = self.config.weights.encoding(weight)
         if encoding is not None:
-            return QuantizedLinear(in_dim, out_dim, encoding, bias=bias)
+            return QuantizedLinear(
+                in_dim, out_dim, encoding, bias=bias, work=self.config.weights.work
+            )
         return SkinnyLinear(in_dim, out_dim, bias=bias, dtype=self.config.weights.dtype(weight))
 
     def embedding(self, name: str, rows: int, dim: int) -> nn.Module:
@@ -97,4 +99,4 @@ class FastLayers(Layers):
         return project(h, table)
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return repack(state_dict)
+        return repack(state_dict, self.config.weights.work)

@@ -15,8 +15,12 @@ result is kept in MAX's cache, keyed by the CPU, MAX's version and the kernels'
 sources; later starts, and the other processes of a server, read it.
 
 One kernel serves every row count of a type, so a request's rows come out the same
-whatever they are batched with. `GPT2_MAX_PACKED_KERNEL=max` or `=package` names
-one instead (tests and benchmarks that compare them).
+whatever they are batched with. A speculative draft (`speculate/draft.py`) multiplies
+one row a step and nothing it computes is served, so its weights take the kernel with
+the faster decode step of the same measurement (`Choice.kernel_for`, "decode").
+
+`GPT2_MAX_PACKED_KERNEL=max` or `=package` names one instead (tests and benchmarks
+that compare them).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ REQUEST = (900, 128)
 """(prompt, generated) tokens of the request the two kernels are weighed on: the
 prefill and decode shapes of the benchmarks' targets (pp900, tg128)."""
 MARGIN = 1.1
+WORK = ("request", "decode")
+"""What a kernel is chosen for: a served model's requests (`REQUEST`'s decode steps and
+prefill chunks), or a draft's one-row steps alone."""
 LAYERS = 24
 """(768 -> 3072 -> 768) pairs timed: 64 MB of Q4_K, past a 32 MiB L3."""
 D, FF = 768, 3072
@@ -70,13 +77,27 @@ class Choice:
     """Per kernel, the chain's median milliseconds at "decode" and "prefill" rows."""
     why: str = ""
 
-    def describe(self, encoding: str) -> str:
-        return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
+    def kernel_for(self, work: str) -> str:
+        """The kernel for `work` (`WORK`): the request's choice, or for "decode" the
+        faster decode step by `MARGIN` (a named kernel for both)."""
+        if work == "request" or not self.ms:
+            return self.kernel
+        ms = {k: m["decode"] for k, m in self.ms.items()}
+        return "package" if ms["package"] * MARGIN < ms["max"] else "max"
+
+    def describe(self, encoding: str, work: str = "request") -> str:
+        if work == "request" or not self.ms:
+            return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
+        ms = {k: m["decode"] for k, m in self.ms.items()}
+        return (f"{encoding} weights, one-row steps: {self.kernel_for(work)}'s kernel "
+                f"(decode step {ms['max']:.2f} ms on MAX's, {ms['package']:.2f} on "
+                f"{PACKAGE}'s, {LAYERS} MLPs)")
 
 
-def uses_max_kernel(encoding: str) -> bool:
-    """Whether `encoding`'s packed weights go through MAX's `qmatmul` on this CPU."""
-    return encoding in BLOCK_FLAGS and choice(encoding).kernel == "max"
+def uses_max_kernel(encoding: str, work: str = "request") -> bool:
+    """Whether `encoding`'s packed weights go through MAX's `qmatmul` on this CPU, for
+    `work` (`WORK`)."""
+    return encoding in BLOCK_FLAGS and choice(encoding).kernel_for(work) == "max"
 
 
 @functools.cache
@@ -141,8 +162,7 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
     qtype = GGMLQuantizationType[encoding.upper()]
     pair = [quantize(rng.standard_normal(s, dtype=np.float32), qtype) for s in ((FF, D), (D, FF))]
     blocks = [pair[i % 2].copy() for i in range(2 * LAYERS)]
-    repack = qmatmul.Repacker({encoding})
-    weights = {"package": blocks, "max": [repack(encoding, b) for b in blocks]}
+    weights = {k: held(encoding, k, blocks) for k in KERNELS}
     session = InferenceSession(devices=[CPU()])
     models = {k: session.load(chain(encoding, k, weights[k])) for k in KERNELS}
     shapes = {"decode": 1, "prefill": PREFILL_ROWS}
@@ -173,8 +193,17 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
     return Choice(kernel, ms, why)
 
 
+def held(encoding: str, kernel: str, blocks: list[np.ndarray]) -> list[np.ndarray]:
+    """GGUF `blocks` of `encoding` laid out as `kernel` reads them: repacked for MAX's
+    (`qmatmul.Repacker`), `kernels.interleave`d for the package's."""
+    if kernel == "max":
+        repacker = qmatmul.Repacker({encoding})
+        return [repacker(encoding, b) for b in blocks]
+    return [kernels.interleave(encoding, b) for b in blocks]
+
+
 def chain(encoding: str, kernel: str, weights: list[np.ndarray], *, dot: str = "auto") -> Graph:
-    """`weights` (`[out, in]` blocks of `encoding`; repacked for "max") multiplied one
+    """`weights` (`[out, in]` blocks of `encoding`, as `held` lays them out) multiplied one
     after another into x (`[rows, in]`, any rows), by `kernel` (the package's in its
     arithmetic `dot`, `kernels.DOTS`)."""
     cpu = DeviceRef.CPU()

@@ -1,13 +1,14 @@
 """A linear layer over GGUF-packed weights, through MAX's quantized CPU kernel
 (`qmatmul.py`) or the package's (`kernels/mojo/kquant.mojo`, the blocks as the
-file stores them), whichever `kernel_choice` measured the faster on this CPU for
-the block type; MAX has none for Q5_K, Q5_0, Q5_1 and Q8_0.
+file stores them but Q4_0's, `kernels.interleave`), whichever `kernel_choice`
+measured the faster on this CPU for the block type and the plan's work; MAX has none
+for Q5_K, Q5_0, Q5_1 and Q8_0.
 
 ModuleV3's `Linear` holds float weights only. `QuantizedLinear` keeps a weight
 as its GGUF blocks (`uint8`, `[rows, row_bytes]`, one row per output feature).
 `FastLayers.linear` builds one for each weight the weights plan lists as packed,
-so `gpt2.py` builds the same tree for every file type; `repack` gives the weights
-bound for MAX's kernel its layout at load (`FastLayers.prepare`).
+so `gpt2.py` builds the same tree for every file type; `repack` gives each weight
+its kernel's layout at load (`FastLayers.prepare`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
     bias: Tensor | Literal[0]
 
     def __init__(
-        self, in_dim: int, out_dim: int, encoding: str, *, bias: bool = True
+        self, in_dim: int, out_dim: int, encoding: str, *, bias: bool = True,
+        work: str = "request",
     ) -> None:
         self.encoding = encoding
         self.out_dim = out_dim
-        self.max_kernel = uses_max_kernel(encoding)
+        self.max_kernel = uses_max_kernel(encoding, work)
         rows = qmatmul.padded_rows(out_dim) if self.max_kernel else out_dim
         self.weight = Tensor.zeros(
             [rows, packed_row_bytes(in_dim, encoding)], dtype=DType.uint8
@@ -68,20 +70,24 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
         return y + self.bias
 
 
-def repack(state_dict: dict[str, WeightData]) -> dict[str, WeightData]:
-    """`state_dict` with every packed weight bound for MAX's kernel in the layout it
-    reads (unchanged when there is none), each copied into memory the model keeps,
-    in huge pages as the adapters' copies are (`weights/formats.py`)."""
-    bound = {
-        n: (w, kind) for n, w in state_dict.items()
-        if (kind := block_type(w)) is not None and uses_max_kernel(kind)
-    }
+def repack(state_dict: dict[str, WeightData], work: str = "request") -> dict[str, WeightData]:
+    """`state_dict` with every packed weight in the layout its kernel reads (MAX's
+    repacked, the package's `kernels.interleave`d; unchanged where both are the file's),
+    each copied into memory the model keeps, in huge pages as the adapters' copies are
+    (`weights/formats.py`). `work` picks the kernels as `QuantizedLinear`'s does."""
+    bound = {}
+    for name, weight in state_dict.items():
+        if (kind := block_type(weight)) is not None:
+            on_max = uses_max_kernel(kind, work)
+            if on_max or kind in kernels.INTERLEAVED:
+                bound[name] = (weight, kind, on_max)
     if not bound:
         return state_dict
-    repacker = qmatmul.Repacker({kind for _, kind in bound.values()})
+    repacker = qmatmul.Repacker({kind for _, kind, on_max in bound.values() if on_max})
     repacked = dict(state_dict)
-    for name, (weight, kind) in bound.items():
-        result = repacker(kind, np.asarray(weight.data))
+    for name, (weight, kind, on_max) in bound.items():
+        blocks = np.asarray(weight.data)
+        result = repacker(kind, blocks) if on_max else kernels.interleave(kind, blocks)
         repacked[name] = WeightData(
             hugepage_array(result), name, weight.dtype, Shape(result.shape),
             weight.quantization_encoding,

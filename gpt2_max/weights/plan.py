@@ -56,6 +56,9 @@ class WeightPlan:
     """Parameters held as GGUF blocks (`uint8`), by name, with their block type."""
     dtypes: Mapping[str, DType] = field(default_factory=dict)
     """Unpacked parameters held in another dtype than float32 (float16), by name."""
+    work: str = "request"
+    """What the packed weights' kernels are chosen for (`layers.kernel_choice.WORK`):
+    a served model's requests, or a speculative draft's one-row steps ("decode")."""
 
     @classmethod
     def of(cls, state_dict: Mapping[str, Any]) -> WeightPlan:

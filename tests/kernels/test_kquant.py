@@ -33,7 +33,7 @@ SMALL_BLOCK_SHAPES = ((32, 5), (96, 33))
 """The 32-value formats also take K that no 256-value block divides."""
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 """The k-quants: a choice of float32, bfloat16 or int8 arithmetic (`kernels.DOTS`)."""
-INT8_32 = ("q5_0", "q5_1", "q8_0")
+INT8_32 = ("q4_0", "q5_0", "q5_1", "q8_0")
 """The 32-value block types with an int8 path besides float32."""
 ROUNDED = {"int8": 1, "int8x2": 254, "auto": 254}
 """Dots whose K-quant results may carry int8 rounding of the activations, by how much
@@ -112,7 +112,8 @@ def run(encoding: str, dot: str, x, blocks, b=None) -> tuple[np.ndarray, np.ndar
     idle = np.zeros((1, x.shape[1]), dtype=np.float32)
     xs = [x if d == dot else idle for d in dots]
     b = np.zeros(blocks.shape[0], dtype=np.float32) if b is None else b
-    out = model.execute(*map(Buffer.from_numpy, (blocks, b, *xs)))
+    held = kernels.interleave(encoding, blocks)
+    out = model.execute(*map(Buffer.from_numpy, (held, b, *xs)))
     at = 2 * dots.index(dot)
     return out[at].to_numpy(), out[at + 1].to_numpy()
 

@@ -13,7 +13,7 @@ from max.engine import InferenceSession
 
 from gpt2_max.encodings import BLOCK_FLAGS
 from gpt2_max.gguf.quants import quantize
-from gpt2_max.layers import kernel_choice, qmatmul
+from gpt2_max.layers import kernel_choice
 from gpt2_max.layers.kernel_choice import KERNEL_ENV, Choice, choice, uses_max_kernel
 from gpt2_max.settings import settings
 from tests.kernels.test_kquant import float_atol, int8_atol
@@ -63,6 +63,21 @@ def test_a_measurement_is_kept_per_type_and_read_back_by_later_starts(fresh, mon
     assert measured == ["q6_k", "q4_k"]
 
 
+def test_a_draft_takes_the_faster_decode_step_and_a_named_kernel_for_both(fresh, monkeypatch):
+    """A draft's one-row steps weigh the decode figures alone: MAX's kernel serves the
+    request sooner here, the package's steps one row faster by more than the margin."""
+    ms = {"max": {"decode": 5.4, "prefill": 35.0}, "package": {"decode": 4.8, "prefill": 100.0}}
+    monkeypatch.setattr(kernel_choice, "measure", lambda e: Choice("max", ms, "timed"))
+    assert uses_max_kernel("q4_0") and not uses_max_kernel("q4_0", "decode")
+    assert "one-row steps: package's kernel" in choice("q4_0").describe("q4_0", "decode")
+    near = {"max": {"decode": 5.0, "prefill": 35.0}, "package": {"decode": 4.8, "prefill": 99.0}}
+    assert Choice("max", near, "timed").kernel_for("decode") == "max"  # within the margin
+    monkeypatch.setenv(KERNEL_ENV, "max")
+    choice.cache_clear()
+    settings.cache_clear()
+    assert uses_max_kernel("q4_0", "decode")
+
+
 @pytest.mark.tier("model")
 def test_the_measurement_picks_the_kernel_that_serves_the_request_sooner():
     picked = kernel_choice.measure("q4_0", rounds=1)
@@ -87,7 +102,7 @@ def test_either_kernel_matches_numpy_on_dequantized_weights(encoding, kernel):
     rng = np.random.default_rng(11)
     blocks = quantize(rng.standard_normal((kernel_choice.FF, kernel_choice.D), np.float32), qtype)
     w = quants.dequantize(blocks, qtype).astype(np.float64)
-    held = qmatmul.Repacker({encoding})(encoding, blocks) if kernel == "max" else blocks
+    [held] = kernel_choice.held(encoding, kernel, [blocks])
     session = InferenceSession(devices=[CPU()])
     model = session.load(kernel_choice.chain(encoding, kernel, [held]))
     for m in (1, 5, 64):

@@ -25,9 +25,9 @@ fastest the CPU has that keeps the float result:
   integer dot takes fewer instructions per weight than a bfloat16 one, so two terms
   still beat the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
 - bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
-- float32: every weight decoded to float32 in registers (`_tile`); Q4_0 always runs
-  this way, and every type on a CPU without AVX2. Q5_0, Q5_1 and Q8_0 take an int8x2
-  path of their own (`_tile_vnni32`, against x rounded per block of 32).
+- float32: every weight decoded to float32 in registers (`_tile`), every type on a
+  CPU without AVX2. Q4_0, Q5_0, Q5_1 and Q8_0 take an int8x2 path of their own
+  (`_tile_vnni32`, against x rounded per block of 32).
 int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
 llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
 projections of the Q4_K_M parity test (`tests/gguf/test_adapter.py`) it costs greedy
@@ -829,15 +829,15 @@ def _packed_vnni[fmt: Int, terms: Int](
     xq.free()
 
 
-# ---- 32-value blocks (Q5_0, Q5_1, Q8_0) through 8-bit integer dot products ----------
+# ---- 32-value blocks (Q4_0, Q5_0, Q5_1, Q8_0) through 8-bit integer dot products ----
 #
 # x is rounded to int8 per block of 32 (`_X8S`: x ~ dx q8, dx = max |x| / 127), as ggml's
 # Q8_0 rounds the activations these types multiply, with `terms` 2 the remainder again
 # on the step dx / 254. A weight row's blocks are taken two at a time (64 weights, one
 # vector) as unsigned bytes u, which vpdpbusd multiplies by x's signed ones four at a
-# time: Q5_1's q as it is, Q5_0's q and Q8_0's q + 128, whose offsets (16, 128 steps
-# of d) the x side pays once per block, its sum of q8 times -offset preloaded in the
-# accumulator (`_X8S.init`). Q5_1's min adds m * sum(rounded x) per block. The integer
+# time: Q5_1's q as it is, Q4_0's and Q5_0's q and Q8_0's q + 128, whose offsets (8, 16,
+# 128 steps of d) the x side pays once per block, its sum of q8 times -offset preloaded
+# in the accumulator (`_X8S.init`). Q5_1's min adds m * sum(rounded x) per block. The integer
 # sums of the two blocks land in lanes 0-7 and 8-15 of one accumulator, each scaled by
 # its block's d dx in one float FMA.
 
@@ -848,10 +848,12 @@ comptime I32Ptr = UnsafePointer[Int32, MutUntrackedOrigin]
 @always_inline
 def _offset32[fmt: Int]() -> Int:
     """What a 32-value block type's unsigned byte u holds beyond its value in steps of
-    d: Q5_0's value is (u - 16) d, Q8_0's (u - 128) d, Q5_1's u d + m. Without VNNI
-    Q8_0's bytes stay signed (`_dot_u8`), offset 0."""
+    d: Q4_0's value is (u - 8) d, Q5_0's (u - 16) d, Q8_0's (u - 128) d, Q5_1's u d + m.
+    Without VNNI Q8_0's bytes stay signed (`_dot_u8`), offset 0."""
     comptime if fmt == Q8_0 and not VNNI_DOT:
         return 0
+    comptime if fmt == Q4_0:
+        return 8
     return 16 if fmt == Q5_0 else (128 if fmt == Q8_0 else 0)
 
 
@@ -934,6 +936,9 @@ def _unsigned32[fmt: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
         comptime if not VNNI_DOT:
             return blk.unsafe_load[width=32](2)
         return blk.unsafe_load[width=32](2) ^ 0x80
+    elif fmt == Q4_0:
+        var q = _bytes(blk + 2)
+        return (q & 0xF).join(q >> 4)
     else:
         return _q5[2 if fmt == Q5_0 else 4](blk)
 
@@ -1037,6 +1042,146 @@ def _packed_vnni32[fmt: Int, terms: Int](
     xq.free()
 
 
+# ---- Q4_0 sixteen rows at a time (`kernels.interleave` lays the blocks out) -----------
+#
+# One row at a time (`_tile_vnni32`), a decode step spends more instructions on each
+# block's bookkeeping (its scale widened, two blocks joined into a vector, the lanes
+# summed at the end) than on its dot products, and streams Q4_0 at half the float32
+# rate. Here each group of 16 weight rows is read together, one row a lane: block b of
+# group g is the 16 rows' d (32 bytes of float16, widened by one instruction) and then,
+# for j = 0..3, 64 bytes holding each row's quant bytes 4j .. 4j+3 in its lane, whose
+# low nibbles are weights 4j .. 4j+3 and high nibbles 16+4j .. 16+4j+3. Each of the 8
+# vectors of nibbles is multiplied by x's 4 bytes of those weights, broadcast, so one
+# block of all 16 rows takes 8 integer dot products and one float FMA, its offset of 8
+# preloaded in the integer sum (`_X8S.init`, the same for every row). The rows past the
+# last whole group keep the file's layout and take `_tile_vnni32`, so a weight of any
+# row count multiplies; every row count of x takes the same path, so a request's rows
+# come out the same whatever they are batched with.
+
+comptime GROUP = 16
+"""Weight rows read together by `_tile_q4_0x16`, one a lane."""
+
+
+@always_inline
+def _tile_q4_0x16[terms: Int, mt: Int](
+    xq: _X8S[Q4_0, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
+):
+    """y[m0 : m0+mt, 16g : 16g+16] from group `g` of `kernels.interleave`'s layout."""
+    comptime GB = GROUP * block_bytes[Q4_0]()
+    var nb = K // 32
+    var acc = Array[FV, mt * terms](fill=0)
+    var grp = w + g * nb * GB
+    for blk in range(nb):
+        var bp = grp + blk * GB
+        comptime for line in range(0, GB, 64):
+            prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES + line)
+        var d = bp.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
+        var lo = Array[QV, 4](fill=0)
+        var hi = Array[QV, 4](fill=0)
+        comptime for j in range(4):
+            var q = (bp + 2 * GROUP + 64 * j).unsafe_load[width=64](0)
+            lo[j] = q & 0xF
+            hi[j] = q >> 4
+        comptime for i in range(mt):
+            var pair = (m0 + i) * xq.pairs + blk // 2
+            var half = 8 * (blk % 2)
+            var scale = d * xq.d.unsafe_load(pair * 16 + half)
+            var o = (m0 + i) * K + 32 * blk
+            comptime for t in range(terms):
+                var xs = ((xq.q if t == 0 else xq.lo) + o).unsafe_bitcast[Int32]()
+                # Four sums of two products each, added at the end: a chain of eight
+                # dependent products would leave the block waiting on their latency.
+                var part = Array[IV, 4](fill=0)
+                part[0] = IV(xq.init.unsafe_load(pair * 16 * terms + half + 16 * t))
+                comptime for j in range(4):
+                    var xl = bitcast[DType.int8, 64](IV(xs.unsafe_load(j)))
+                    var xh = bitcast[DType.int8, 64](IV(xs.unsafe_load(4 + j)))
+                    part[j] = _dot_u8[Q4_0](_dot_u8[Q4_0](part[j], lo[j], xl), hi[j], xh)
+                var isum = (part[0] + part[1]) + (part[2] + part[3])
+                acc[terms * i + t] = fma(isum.cast[DType.float32](), scale, acc[terms * i + t])
+    comptime for i in range(mt):
+        var s = acc[terms * i]
+        comptime if terms == 2:
+            s += acc[2 * i + 1] * (1.0 / 254)
+        if has_bias:
+            s += b.unsafe_load[width=GROUP](GROUP * g)
+        y.unsafe_store((m0 + i) * N + GROUP * g, s)
+
+
+@always_inline
+def _tile_q4_0x16_f32[mt: Int](
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
+):
+    """`_tile_q4_0x16` in float32 (a CPU without AVX2, or `dot` float32 named): each
+    nibble of a row's lane widened and multiplied by its x, broadcast."""
+    comptime GB = GROUP * block_bytes[Q4_0]()
+    var nb = K // 32
+    var acc = Array[FV, mt](fill=0)
+    var grp = w + g * nb * GB
+    for blk in range(nb):
+        var bp = grp + blk * GB
+        var d = bp.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
+        comptime for j in range(4):
+            var q = bitcast[DType.uint32, GROUP]((bp + 2 * GROUP + 64 * j).unsafe_load[width=64](0))
+            comptime for k in range(4):
+                comptime for h in range(2):
+                    var v = (((q >> UInt32(8 * k + 4 * h)) & 0xF).cast[DType.float32]() - 8) * d
+                    comptime for i in range(mt):
+                        var xv = x.unsafe_load((m0 + i) * K + 32 * blk + 16 * h + 4 * j + k)
+                        acc[i] = fma(v, FV(xv), acc[i])
+    comptime for i in range(mt):
+        var s = acc[i]
+        if has_bias:
+            s += b.unsafe_load[width=GROUP](GROUP * g)
+        y.unsafe_store((m0 + i) * N + GROUP * g, s)
+
+
+@always_inline
+def _group_q4_0x16[terms: Int, mt: Int](
+    xq: _X8S[Q4_0, max(terms, 1)], x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
+):
+    comptime if terms == 0:
+        _tile_q4_0x16_f32[mt](x, w, b, y, K, N, m0, g, has_bias)
+    else:
+        _tile_q4_0x16[max(terms, 1), mt](xq, w, b, y, K, N, m0, g, has_bias)
+
+
+def _packed_q4_0x16[terms: Int](
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    """Q4_0 in `kernels.interleave`'s layout, with `terms` int8 terms of x, or (0) in
+    float32."""
+    comptime T = max(terms, 1)
+    # x rounded for the integer paths; the float32 one reads x as it is.
+    var xq = _X8S[Q4_0, T](x, M if terms else 0, K)
+    var groups = N // GROUP
+    comptime PER_CHUNK = CHUNK_ROWS // GROUP
+    var nchunks = max(1, ceildiv(groups, PER_CHUNK))
+
+    def chunk(m_begin: Int, m_end: Int, c: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias, imm groups, imm nchunks}:
+        for g in range(c * PER_CHUNK, min((c + 1) * PER_CHUNK, groups)):
+            var m0 = m_begin
+            while m0 + MT <= m_end:
+                _group_q4_0x16[terms, MT](xq, x, w, b, y, K, N, m0, g, has_bias)
+                m0 += MT
+            comptime for rest in range(1, MT):
+                if m_end - m0 == rest:
+                    _group_q4_0x16[terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
+        if c == nchunks - 1:
+            for n in range(groups * GROUP, N):
+                comptime if terms == 0:
+                    _row[Q4_0](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
+                else:
+                    _row_vnni32[Q4_0, T](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
+
+    share_passes(chunk, M, nchunks, ntasks, ctx)
+    xq.free()
+
+
 comptime DOT_AUTO = 0
 comptime DOT_F32 = 1
 comptime DOT_BF16 = 2
@@ -1048,9 +1193,7 @@ def dot_path[fmt: Int, dot: Int]() -> Int:
     """The arithmetic of every step: for DOT_AUTO the fastest this CPU has for the
     format, int8 (VNNI), bfloat16 or float32; a named one if it has it, else float32
     (the exact one: a test of a named path then holds wherever it runs)."""
-    comptime if fmt == Q4_0:
-        return DOT_F32
-    comptime if fmt == Q5_0 or fmt == Q5_1 or fmt == Q8_0:
+    comptime if block_elems[fmt]() == 32:
         # No bfloat16 path: int8 where the CPU multiplies bytes (INT8_DOT), else float32.
         if dot == DOT_AUTO or dot == DOT_INT8 or dot == DOT_INT8X2:
             return (DOT_INT8X2 if dot == DOT_AUTO else dot) if INT8_DOT else DOT_F32
@@ -1067,9 +1210,13 @@ def packed_matmul[fmt: Int, dot: Int](
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     comptime path = dot_path[fmt, dot]()
+    comptime if fmt == Q4_0:
+        comptime terms = 2 if path == DOT_INT8X2 else (1 if path == DOT_INT8 else 0)
+        _packed_q4_0x16[terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        return
     comptime if path == DOT_INT8 or path == DOT_INT8X2:
         comptime terms = 2 if path == DOT_INT8X2 else 1
-        comptime if fmt == Q5_0 or fmt == Q5_1 or fmt == Q8_0:
+        comptime if block_elems[fmt]() == 32:
             _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         else:
             _packed_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
