@@ -1,7 +1,8 @@
 """Packed-weight matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ b[N]).
 
 `W` is a GGUF tensor as the file stores it: row `n` is the `K / QK` blocks of output
-feature `n`, `BYTES` bytes each, in ggml's block layout (no repack). `x`, `b` and `y`
+feature `n`, `BYTES` bytes each, in ggml's block layout; Q4_0's rows are regrouped at
+load (`kernels.interleave`), in the same bytes. `x`, `b` and `y`
 are float32.
 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
@@ -26,8 +27,9 @@ fastest the CPU has that keeps the float result:
   still beat the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
 - bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
 - float32: every weight decoded to float32 in registers (`_tile`), every type on a
-  CPU without AVX2. Q4_0, Q5_0, Q5_1 and Q8_0 take an int8x2 path of their own
-  (`_tile_vnni32`, against x rounded per block of 32).
+  CPU without AVX2. Q5_0, Q5_1 and Q8_0 take an int8x2 path of their own
+  (`_tile_vnni32`, against x rounded per block of 32), and Q4_0 the same arithmetic
+  sixteen weight rows at a time (`_tile_q4_0x16`, over `kernels.interleave`'s layout).
 int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
 llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
 projections of the Q4_K_M parity test (`tests/gguf/test_adapter.py`) it costs greedy
