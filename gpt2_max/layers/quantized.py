@@ -13,6 +13,7 @@ its kernel's layout at load (`FastLayers.prepare`).
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import numpy as np
@@ -23,11 +24,14 @@ from max.graph import Shape
 from max.graph.weights import WeightData
 
 from .. import kernels
-from ..encodings import block_geometry
+from ..encodings import BLOCK_FLAGS, block_geometry
+from ..names import PACKAGE
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import block_type
 from . import qmatmul
-from .kernel_choice import uses_max_kernel
+from .kernel_choice import choice, uses_max_kernel
+
+logger = logging.getLogger("max.pipelines")
 
 
 def packed_row_bytes(features: int, encoding: str) -> int:
@@ -76,6 +80,9 @@ def repack(state_dict: dict[str, WeightData], work: str = "request") -> dict[str
     each copied into memory the model keeps, in huge pages as the adapters' copies are
     (`weights/formats.py`). `work` picks the kernels as `QuantizedLinear`'s does."""
     bound = {}
+    if work != "request":
+        for kind in sorted({block_type(w) for w in state_dict.values()} & BLOCK_FLAGS):
+            logger.info(f"{PACKAGE}: {choice(kind).describe(kind, work)}")
     for name, weight in state_dict.items():
         if (kind := block_type(weight)) is not None:
             on_max = uses_max_kernel(kind, work)

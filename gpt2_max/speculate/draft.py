@@ -41,13 +41,12 @@ from max.graph.weights import WeightData, Weights, load_weights, weights_format
 from transformers import AutoConfig
 
 from ..bursts.model import step_inputs
-from ..encodings import BLOCK_FLAGS, PACKED_TYPES
+from ..encodings import PACKED_TYPES
 from ..extensions import Beside
 from ..gguf.adapter import huggingface_config as gguf_huggingface_config
 from ..gguf.adapter import metadata
 from ..gguf.quants import quantize
 from ..inputs import GPT2Inputs
-from ..layers.kernel_choice import choice
 from ..model_config import GPT2ArchConfig, shape_fields, validate_huggingface_config
 from ..names import PACKAGE
 from ..settings import setting
@@ -190,8 +189,6 @@ class Draft:
         config = dataclasses.replace(
             config, weights=dataclasses.replace(config.weights, work="decode")
         )
-        for kind in sorted(set(config.weights.packed.values()) & BLOCK_FLAGS):
-            logger.info(f"{PACKAGE}: the draft's {choice(kind).describe(kind, 'decode')}")
         if hf_config is not model.huggingface_config:
             config = dataclasses.replace(
                 config, **shape_fields(hf_config),
