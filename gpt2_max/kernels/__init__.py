@@ -24,7 +24,7 @@ from max.experimental import functional as F
 from max.experimental.tensor import Tensor
 from max.graph import DeviceRef, TensorType
 
-from ..encodings import KERNEL_TYPES
+from ..encodings import KERNEL_TYPES, block_geometry
 from .package import compiled_package
 
 MOJO_PACKAGE = Path(__file__).parent / "mojo"
@@ -74,14 +74,14 @@ def interleave(encoding: str, blocks: np.ndarray) -> np.ndarray:
     if encoding not in INTERLEAVED:
         return blocks
     rows, row_bytes = blocks.shape
-    groups, size = rows // GROUP, 18
-    nb = row_bytes // size
+    size = block_geometry(encoding)[1]
+    groups, nb = rows // GROUP, row_bytes // size
     grouped = blocks[: groups * GROUP].reshape(groups, GROUP, nb, size)
     scales = grouped[..., :2].transpose(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP)
     quants = grouped[..., 2:].reshape(groups, GROUP, nb, 4, 4).transpose(0, 2, 3, 1, 4)
     out = blocks.copy()
     out[: groups * GROUP] = np.concatenate(
-        [scales, quants.reshape(groups, nb, 16 * GROUP)], axis=-1
+        [scales, quants.reshape(groups, nb, (size - 2) * GROUP)], axis=-1
     ).reshape(groups * GROUP, row_bytes)
     return out
 
