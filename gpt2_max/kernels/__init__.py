@@ -60,30 +60,69 @@ falls back to float32. Naming one is for tests and benchmarks, which compare the
 
 
 GROUP = 16
-"""Q4_0 weight rows the packed kernel reads together, one a vector lane (`interleave`)."""
-INTERLEAVED = frozenset({"q4_0"})
+"""Weight rows the packed kernel reads together, one a vector lane (`interleave`)."""
+
+FIELDS = {
+    "q4_0": ((0, 2, 2), (2, 18, 4)),
+    "q4_k": ((0, 4, 2), (4, 16, 1), (16, 144, 4)),
+    "q6_k": ((0, 2, 2), (2, 18, 1), (18, 210, 4)),
+}
+"""Per grouped block type, its block's fields as `interleave` lays them out: (first byte,
+end, unit), each field's units in order, each unit the `GROUP` rows' in turn (float16
+scales in units of 2 bytes, 6- and 8-bit scales of 1, quants of 4: one row's 4 bytes
+a 32-bit lane of a dot product). Q6_K's fields are those of `_q6_k_lanes`' block."""
+INTERLEAVED = frozenset(FIELDS)
 """The block types whose layout `interleave` changes."""
 
 
 def interleave(encoding: str, blocks: np.ndarray) -> np.ndarray:
     """GGUF blocks (`[rows, row_bytes]`) in the layout the packed kernel reads: the
-    file's, except for Q4_0, whose rows go in groups of `GROUP` (`mojo/kquant.mojo`,
-    `_tile_q4_0x16`). Block b of a group is its rows' float16 scales, then for j = 0..3
-    each row's quant bytes 4j .. 4j+3, row after row; the rows past the last whole group
-    stay as they are. Same shape and bytes, so it is done once at load."""
+    file's, except for the `INTERLEAVED` types, whose rows go in groups of `GROUP`
+    (`mojo/kquant.mojo`, "sixteen rows at a time"): block b of a group holds the rows'
+    block b field after field (`FIELDS`), unit after unit, row after row. The rows past
+    the last whole group stay as they are. Same shape and bytes, so it is done once at
+    load."""
     if encoding not in INTERLEAVED:
         return blocks
     rows, row_bytes = blocks.shape
     size = block_geometry(encoding)[1]
     groups, nb = rows // GROUP, row_bytes // size
     grouped = blocks[: groups * GROUP].reshape(groups, GROUP, nb, size)
-    scales = grouped[..., :2].transpose(0, 2, 1, 3).reshape(groups, nb, 2 * GROUP)
-    quants = grouped[..., 2:].reshape(groups, GROUP, nb, 4, 4).transpose(0, 2, 3, 1, 4)
+    if encoding == "q6_k":
+        grouped = _q6_k_lanes(grouped)
+    parts = [
+        grouped[..., a:b].reshape(groups, GROUP, nb, (b - a) // unit, unit)
+        .transpose(0, 2, 3, 1, 4).reshape(groups, nb, (b - a) * GROUP)
+        for a, b, unit in FIELDS[encoding]
+    ]
     out = blocks.copy()
-    out[: groups * GROUP] = np.concatenate(
-        [scales, quants.reshape(groups, nb, (size - 2) * GROUP)], axis=-1
-    ).reshape(groups * GROUP, row_bytes)
+    out[: groups * GROUP] = np.concatenate(parts, axis=-1).reshape(groups * GROUP, row_bytes)
     return out
+
+
+def _q6_k_lanes(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K blocks (`[..., 210]`: ggml's 128 bytes of low nibbles, 64 of high bit pairs,
+    16 int8 scales, float16 d) as d, the scales, then for u = 0..15 three units of 4
+    bytes: L1, L2 and H. Weight 4c + i (c = 0..63, i = 0..3) has its low 4 bits in
+    byte i of L1 (c = u: low nibble; u + 32: high) or L2 (u + 16, u + 48), and its high 2
+    bits in byte i of H, at bit 0 (c = u), 2 (u + 16), 4 (u + 32) or 6 (u + 48): four
+    of its 64-byte vectors for 16 rows come out of three (`_kx16_col`)."""
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    h, s, i = np.arange(2)[:, None, None], np.arange(4)[None, :, None], np.arange(32)
+    low = (ql[..., 64 * h + 32 * (s % 2) + i] >> (4 * (s // 2))) & 0xF
+    high = (qh[..., 32 * h + i] >> (2 * s)) & 3
+    q = (low | high << 4).reshape(*blocks.shape[:-1], 4, 16, 4)  # [..., c // 16, u, i]
+    low, high = q & 0xF, q >> 4
+    lanes = np.stack([
+        low[..., 0, :, :] | low[..., 2, :, :] << 4,
+        low[..., 1, :, :] | low[..., 3, :, :] << 4,
+        high[..., 0, :, :] | high[..., 1, :, :] << 2 | high[..., 2, :, :] << 4
+        | high[..., 3, :, :] << 6,
+    ], axis=-2)
+    return np.concatenate([
+        blocks[..., 208:210], blocks[..., 192:208],
+        lanes.reshape(*blocks.shape[:-1], 192).astype(np.uint8),
+    ], axis=-1)
 
 
 def packed_linear(encoding: str, x: Any, w: Any, b: Any, *, dot: str = "auto") -> Tensor:

@@ -32,19 +32,32 @@ SHAPES = ((768, 2304), (256, 1), (512, 37), (3072, 768))
 SMALL_BLOCK_SHAPES = ((32, 5), (96, 33))
 """The 32-value formats also take K that no 256-value block divides."""
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
-"""The k-quants: a choice of float32, bfloat16 or int8 arithmetic (`kernels.DOTS`)."""
+"""The k-quants: a choice of float32 or int8 arithmetic (`kernels.DOTS`), and for Q5_K,
+whose rows are not grouped (`kernels.INTERLEAVED`), bfloat16."""
 INT8_32 = ("q4_0", "q5_0", "q5_1", "q8_0")
 """The 32-value block types with an int8 path besides float32."""
-ROUNDED = {"int8": 1, "int8x2": 254, "auto": 254}
-"""Dots whose K-quant results may carry int8 rounding of the activations, by how much
-finer than one int8 step per block their rounding is ("int8x2" rounds the remainder
-again; "auto" is it on a CPU with VNNI). The every-shape test runs each named one,
-the served model "auto"."""
+ROUNDED = {"int8": 1, "int8x2": 254}
+"""Dots whose results may carry int8 rounding of the activations, by how much finer
+than one int8 step per block their rounding is ("int8x2" rounds the remainder again).
+The every-shape test runs each, the served model "auto": `AUTO`'s on a CPU that
+multiplies bytes (`kquant.dot_path`), float32 on one that does not."""
+AUTO = {"q4_k": "int8", "q6_k": "int8"}
+"""What "auto" rounds as, where not "int8x2": Q4_K and Q6_K round x once, as MAX's
+kernel and llama.cpp's do."""
+
+
+def rounding(x: np.ndarray, w: np.ndarray, encoding: str, dot: str) -> np.ndarray | float:
+    """What rounding x may add to x @ w.T on `encoding`'s int8 paths with `dot` ("auto"
+    read as `AUTO` says; 0 for the exact ones)."""
+    if encoding not in K_QUANTS + INT8_32 or dot not in (*ROUNDED, "auto"):
+        return 0.0
+    finer = ROUNDED[AUTO.get(encoding, "int8x2") if dot == "auto" else dot]
+    return int8_atol(x, w, rounding_block(encoding)) / finer
 
 
 DOTS = {
-    encoding: ("float32", "bfloat16", "int8", "int8x2") if encoding in K_QUANTS
-    else ("float32", "int8", "int8x2") if encoding in INT8_32 else ("auto",)
+    encoding: ("float32", "bfloat16", "int8", "int8x2") if encoding == "q5_k"
+    else ("float32", "int8", "int8x2") if encoding in K_QUANTS + INT8_32 else ("auto",)
     for encoding in sorted(KERNEL_TYPES)
 }
 """The dots each type is checked with on every shape."""
@@ -60,7 +73,7 @@ CASES = [
 def compiled_dots(encoding: str) -> tuple[str, ...]:
     """The dots the tests here run on `encoding`: its `DOTS`, and those the rounding
     and batching tests name."""
-    named = tuple(ROUNDED) if encoding in K_QUANTS + INT8_32 else ("auto",)
+    named = (*ROUNDED, "auto") if encoding in K_QUANTS + INT8_32 else ("auto",)
     return DOTS[encoding] + tuple(d for d in named if d not in DOTS[encoding])
 
 
@@ -129,9 +142,7 @@ def test_matches_numpy_on_dequantized_weights(encoding, dot, k, n):
     for m in ROWS:
         x = rng.standard_normal((m, k), dtype=np.float32)
         exact = x.astype(np.float64) @ w.T
-        rounded = encoding in K_QUANTS + INT8_32 and dot in ROUNDED
-        rounding = int8_atol(x, w, rounding_block(encoding)) / ROUNDED[dot] if rounded else 0
-        atol = float_atol(k) + rounding
+        atol = float_atol(k) + rounding(x, w, encoding, dot)
         matmul, linear = run(encoding, dot, x, blocks, b)
         assert np.all(np.abs(matmul - exact) <= atol), f"matmul m={m}"
         assert np.all(np.abs(linear - exact - b) <= atol), f"linear m={m}"
@@ -153,10 +164,10 @@ def test_int8_rounds_each_block_of_x_on_its_own_scale(encoding):
     x[:, 512:768] *= 1e4
     x[1, :256] = 0
     exact = x.astype(np.float64) @ w.T
-    for dot, finer in ROUNDED.items():
+    for dot in (*ROUNDED, "auto"):
         got, _ = run(encoding, dot, x, blocks)
         assert np.all(np.isfinite(got))
-        bound = float_atol(k) * 1e-2 + int8_atol(x, w, rounding_block(encoding)) / finer
+        bound = float_atol(k) * 1e-2 + rounding(x, w, encoding, dot)
         assert np.all(np.abs(got - exact) <= bound), dot
 
 

@@ -1,39 +1,38 @@
 """Packed-weight matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ b[N]).
 
-`W` is a GGUF tensor as the file stores it: row `n` is the `K / QK` blocks of output
-feature `n`, `BYTES` bytes each, in ggml's block layout; Q4_0's rows are regrouped at
-load (`kernels.interleave`), in the same bytes. `x`, `b` and `y`
-are float32.
+`W` is a GGUF tensor: row `n` is the `K / QK` blocks of output feature `n`, `BYTES`
+bytes each, in ggml's block layout, except that Q4_0's, Q4_K's and Q6_K's rows are
+regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same bytes
+(`kernels.interleave`; the rows past the last whole group stay as the file has them).
+`x`, `b` and `y` are float32.
 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
 of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`skinny.share_out`: each task
 streams a band, then takes over what is left of the others'); each block is decoded
-once per tile of up to `MT` input rows and multiplied into per-row
-accumulators while its bytes are in L1. Many rows (a prefill) take the same path in
-chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a kernel
-that decodes a band once for all rows, but every row count runs one arithmetic, and a
-request's rows come out bit for bit the same whatever they are batched with (a
-decode row beside another request's prefill chunk, or alone). With activations
-rounded to int8 a prefill-only arithmetic would change a batched request's tokens.
+once per tile of up to `MT` input rows (8 for a grouped K-quant) and multiplied into
+per-row accumulators while its bytes are in L1. Many rows (a prefill) take the same
+path in chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a
+kernel that decodes a band once for all rows, but every row count runs one
+arithmetic, and a request's rows come out bit for bit the same whatever they are
+batched with (a decode row beside another request's prefill chunk, or alone). With
+activations rounded to int8 a prefill-only arithmetic would change a batched
+request's tokens.
 
-The arithmetic (`dot_path`; the ops' `dot` parameter names one for
-tests and benchmarks, DOT_AUTO is what the model runs) is, for the K-quants, the
-fastest the CPU has that keeps the float result:
-- int8x2 (`INT8_DOT`: AVX-512 VNNI on Zen 4 and Cascade Lake and later Xeons, or
-  AVX2's byte products on the CPUs without AVX-512, Zen 2 and 3 among them): x rounded
-  to int8 per block of 256 and its remainder rounded again (`_X8`), each multiplied in
-  integers (`_tile_vnni`), to about 2^-16 of each block's largest activation. An
-  integer dot takes fewer instructions per weight than a bfloat16 one, so two terms
-  still beat the bfloat16 path, most on Q5_K, whose bfloat16 decode is the slowest.
-- bfloat16 (AVX-512 BF16 without VNNI): x split into bfloat16 hi + lo (`_tile_bf16`).
-- float32: every weight decoded to float32 in registers (`_tile`), every type on a
-  CPU without AVX2. Q5_0, Q5_1 and Q8_0 take an int8x2 path of their own
-  (`_tile_vnni32`, against x rounded per block of 32), and Q4_0 the same arithmetic
-  sixteen weight rows at a time (`_tile_q4_0x16`, over `kernels.interleave`'s layout).
-int8 (one term, `_tile_vnni` with `terms` 1) rounds x as MAX's vroom kernels and
-llama.cpp's Q8_K do, and is the fastest, but it is not chosen: on the Q5_K QKV
-projections of the Q4_K_M parity test (`tests/gguf/test_adapter.py`) it costs greedy
-agreement with the float model, which the second term gives back.
+The arithmetic (`dot_path`; the ops' `dot` parameter names one for tests and
+benchmarks, DOT_AUTO is what the model runs), where the CPU multiplies bytes
+(`INT8_DOT`: AVX-512 VNNI on Zen 4 and Cascade Lake and later Xeons, or AVX2's byte
+products on the CPUs without AVX-512, Zen 2 and 3 among them):
+- Q4_K and Q6_K: int8, x rounded once per block of 256 (`_X8`), as MAX's vroom kernels
+  and llama.cpp's Q8_K round it, sixteen weight rows at a time (`_tile_kx16`).
+- Q5_K: int8x2, x rounded so and its remainder rounded again, each multiplied in
+  integers (`_tile_vnni`), to about 2^-16 of each block's largest activation: on the
+  Q5_K QKV projections of the Q4_K_M parity test (`tests/gguf/test_adapter.py`) one
+  term costs greedy agreement with the float model, which the second gives back. On
+  AVX-512 BF16 without byte products, x split into bfloat16 hi + lo (`_tile_bf16`).
+- Q5_0, Q5_1 and Q8_0: int8x2 against x rounded per block of 32 (`_tile_vnni32`), and
+  Q4_0 the same sixteen weight rows at a time (`_tile_q4_0x16`).
+Every type has a float32 path, every weight widened in registers (`_tile`, and the
+grouped tiles with `terms` 0), for a CPU without AVX2.
 
 Formats (`fmt`, the GGML type id): Q4_0 (2), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12),
 Q5_K (13), Q6_K (14).
@@ -272,22 +271,20 @@ def _row[fmt: Int](
             _tile[fmt, rest](x, w, b, y, K, N, m0, n, has_bias)
 
 
-# ---- K-quant rows through bfloat16 dot products ------------------------------------
+# ---- Q5_K rows through bfloat16 dot products ----------------------------------------
 #
+# (Q4_K and Q6_K rows are grouped sixteen at a time, below, and have no bfloat16 path.)
 # x is split once per call into two bfloat16 halves, hi = bf16(x) and lo = bf16(x - hi),
 # together x to about 2^-17 relative (`_XPrep`). A weight's quant q becomes the bfloat16
-# q - c exactly by a table lookup (`_weights`, c the middle of q's range), and each
+# q - 16 exactly by a table lookup (`_weights`, 16 the middle of q's range), and each
 # product of it with hi or lo is exact in the float32 dot product. Per sub-block
-#     sum_i x_i (d sc q_i - dmin m) = d sc * sum_i x_i (q_i - c) - (dmin m - c d sc) * sum_i x_i
+#     sum_i x_i (d sc q_i - dmin m) = d sc * sum_i x_i (q_i - 16) - (dmin m - 16 d sc) * sum_i x_i
 # so the inner loop is: quants -> bfloat16 (a widen and a lookup per 32 weights), two dot
-# products per input row, one scale FMA per sub-block; the second term (absent in Q6_K,
-# whose values are d sc (q - 32)) is one FMA per block over sums of x shared by every row.
+# products per input row, one scale FMA per sub-block; the second term is one FMA per
+# block over sums of x shared by every row.
 
-
-@always_inline
-def _center[fmt: Int]() -> Int:
-    """The middle of the quants' range: 8 (Q4_K), 16 (Q5_K), 32 (Q6_K)."""
-    return 8 if fmt == Q4_K else (16 if fmt == Q5_K else 32)
+comptime Q5_CENTER = 16
+"""The middle of a Q5_K quant's range."""
 
 
 @always_inline
@@ -297,51 +294,29 @@ def _dot(acc: FV, w: BV, x: BV) -> FV:
 
 
 @always_inline
-def _lut[fmt: Int]() -> Tuple[WV, WV]:
-    """The bfloat16 bits of q - c for q in 0..31 and 32..63."""
+def _lut() -> WV:
+    """The bfloat16 bits of q - 16 for q in 0..31."""
     var lo = SIMD[DType.float32, 32](0)
-    var hi = SIMD[DType.float32, 32](0)
     comptime for q in range(32):
-        lo[q] = Float32(q - _center[fmt]())
-        hi[q] = Float32(q + 32 - _center[fmt]())
-    return (
-        bitcast[DType.int16, 32](lo.cast[DType.bfloat16]()),
-        bitcast[DType.int16, 32](hi.cast[DType.bfloat16]()),
+        lo[q] = Float32(q - Q5_CENTER)
+    return bitcast[DType.int16, 32](lo.cast[DType.bfloat16]())
+
+
+@always_inline
+def _weights[g: Int](blk: U8Ptr, lut: WV) -> BV:
+    """Weights 32g .. 32g+31 of a Q5_K block as the bfloat16s q - 16 (vpermw): q's low
+    nibbles from bytes 48 + 32 (g / 2) (high nibbles for odd g), bit 4 from bit g of the
+    32 high bytes (see `_decode`)."""
+    var q = (blk + 48 + 32 * (g // 2)).unsafe_load[width=32](0)
+    comptime if g % 2 == 0:
+        q = q & 0xF
+    else:
+        q = q >> 4
+    var h = (blk + 16).unsafe_load[width=32](0)
+    var idx = (q | (((h >> UInt8(g)) & 1) << 4)).cast[DType.int16]()
+    return bitcast[DType.bfloat16, 32](
+        llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut, idx)
     )
-
-
-@always_inline
-def _quants[fmt: Int, g: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
-    """The unsigned quants of weights 32g .. 32g+31 of a Q5_K or Q6_K block (see
-    `_decode`; Q4_K's are read as words by `_tile_q4k`)."""
-    comptime if fmt == Q5_K:
-        var q = (blk + 48 + 32 * (g // 2)).unsafe_load[width=32](0)
-        comptime if g % 2 == 0:
-            q = q & 0xF
-        else:
-            q = q >> 4
-        var h = (blk + 16).unsafe_load[width=32](0)
-        return q | (((h >> UInt8(g)) & 1) << 4)
-    else:
-        comptime h = g // 4
-        comptime s = g % 4
-        var ql = (blk + 64 * h + 32 * (s % 2)).unsafe_load[width=32](0)
-        var qh = (blk + 128 + 32 * h).unsafe_load[width=32](0)
-        return ((ql >> UInt8(4 * (s // 2))) & 0xF) | (((qh >> UInt8(2 * s)) & 3) << 4)
-
-
-@always_inline
-def _weights[fmt: Int, g: Int](blk: U8Ptr, lut: Tuple[WV, WV]) -> BV:
-    """Weights 32g .. 32g+31 of a K-block as the bfloat16s q - c (vpermw / vpermi2w)."""
-    var idx = _quants[fmt, g](blk).cast[DType.int16]()
-    comptime if fmt == Q6_K:
-        return bitcast[DType.bfloat16, 32](
-            llvm_intrinsic["llvm.x86.avx512.vpermi2var.hi.512", WV](lut[0], idx, lut[1])
-        )
-    else:
-        return bitcast[DType.bfloat16, 32](
-            llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut[0], idx)
-        )
 
 
 @always_inline
@@ -363,69 +338,35 @@ def _scales_mins_k4(blk: U8Ptr) -> Tuple[SIMD[DType.uint8, 8], SIMD[DType.uint8,
 
 
 @always_inline
-def _scales[fmt: Int](blk: U8Ptr) -> Tuple[FV, FV]:
-    """Per sub-block of a K-block: (d sc, dmin m - c d sc: the coefficient of the
-    sub-block's sum of x, to subtract; Q6_K has none), Q4_K's and Q5_K's 8 sub-blocks
-    in the first 8 lanes, Q6_K's 16."""
-    comptime if fmt == Q4_K or fmt == Q5_K:
-        var sm = _scales_mins_k4(blk)
-        var sc = sm[0].cast[DType.float32]()
-        var mn = sm[1].cast[DType.float32]()
-        var dsc = sc * _half(blk)
-        var corr = mn * _half(blk + 2) - Float32(_center[fmt]()) * dsc
-        return (dsc.join(SIMD[DType.float32, 8](0)), corr.join(SIMD[DType.float32, 8](0)))
-    else:
-        var sc = (blk + 192).unsafe_bitcast[Int8]().unsafe_load[width=16](0)
-        return (sc.cast[DType.float32]() * _half(blk + 208), FV(0))
-
-
-@always_inline
-def _group_scale[fmt: Int, g: Int](dsc: FV) -> FV:
-    """The scale of each lane of a dot product over weights 32g .. 32g+31: lane l holds
-    weights 2l and 2l+1, so Q6_K's two sub-blocks of 16 split the lanes 8 / 8."""
-    comptime if fmt == Q6_K:
-        comptime a = 2 * g
-        comptime b = 2 * g + 1
-        return dsc.shuffle[a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b]()
-    else:
-        return dsc.shuffle[g, g, g, g, g, g, g, g, g, g, g, g, g, g, g, g]()
+def _scales(blk: U8Ptr) -> Tuple[FV, FV]:
+    """Per sub-block of a Q5_K block, in the first 8 lanes: (d sc, dmin m - 16 d sc: the
+    coefficient of the sub-block's sum of x, to subtract)."""
+    var sm = _scales_mins_k4(blk)
+    var dsc = sm[0].cast[DType.float32]() * _half(blk)
+    var corr = sm[1].cast[DType.float32]() * _half(blk + 2) - Float32(Q5_CENTER) * dsc
+    return (dsc.join(SIMD[DType.float32, 8](0)), corr.join(SIMD[DType.float32, 8](0)))
 
 
 struct _XPrep:
-    """x[M, K] as bfloat16 halves hi and lo ([M, K] each, in natural order or, for Q4_K,
-    in `_tile_q4k`'s order) and its sums per 32 ([M, K / 32], float32)."""
+    """x[M, K] as bfloat16 halves hi and lo ([M, K] each) and its sums per 32 ([M, K /
+    32], float32)."""
 
     var hi: BPtr
     var lo: BPtr
     var sums: F32Ptr
 
-    def __init__(out self, x: F32Ptr, M: Int, K: Int, sums: Bool, q4k_order: Bool):
+    def __init__(out self, x: F32Ptr, M: Int, K: Int):
         self.hi = alloc[BFloat16](M * K, alignment=64)
         self.lo = alloc[BFloat16](M * K, alignment=64)
-        self.sums = alloc[Float32](M * (K // 32) if sums else 1, alignment=64)
-        if q4k_order:
-            # Element 128 h + 32 v + j of a block: sub-block 4h + v % 2 (+ 2 for j >= 16),
-            # its even (v < 2) or odd weights: each sub-block's evens and odds go to two
-            # halves of lookup rows (see `_tile_q4k`).
-            for r in range(M * K // 256):
-                comptime for sb in range(8):
-                    var eo = x.unsafe_load[width=32](256 * r + 32 * sb).deinterleave()
-                    comptime base = 128 * (sb // 4) + 32 * (sb % 2) + 16 * ((sb % 4) // 2)
-                    self._store(256 * r + base, eo[0])
-                    self._store(256 * r + base + 64, eo[1])
-        else:
-            for i in range(M * K // 16):
-                self._store(16 * i, x.unsafe_load[width=16](16 * i))
-        if sums:
-            for i in range(M * K // 32):
-                var s = x.unsafe_load[width=16](32 * i) + x.unsafe_load[width=16](32 * i + 16)
-                self.sums.unsafe_store(i, s.reduce_add())
-
-    @always_inline
-    def _store(self, i: Int, v: SIMD[DType.float32, 16]):
-        var h = v.cast[DType.bfloat16]()
-        self.hi.unsafe_store(i, h)
-        self.lo.unsafe_store(i, (v - h.cast[DType.float32]()).cast[DType.bfloat16]())
+        self.sums = alloc[Float32](M * (K // 32), alignment=64)
+        for i in range(M * K // 16):
+            var h = x.unsafe_load[width=16](16 * i).cast[DType.bfloat16]()
+            self.hi.unsafe_store(16 * i, h)
+            var rest = x.unsafe_load[width=16](16 * i) - h.cast[DType.float32]()
+            self.lo.unsafe_store(16 * i, rest.cast[DType.bfloat16]())
+        for i in range(M * K // 32):
+            var s = x.unsafe_load[width=16](32 * i) + x.unsafe_load[width=16](32 * i + 16)
+            self.sums.unsafe_store(i, s.reduce_add())
 
     def free(self):
         self.hi.free()
@@ -461,78 +402,24 @@ def _store_tile[mt: Int, na: Int, cw: Int](
 
 
 @always_inline
-def _tile_q4k[mt: Int](
+def _tile_bf16[mt: Int](
     xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
 ):
-    """`_tile_bf16` for Q4_K, with the nibbles looked up straight from the block's bytes.
-
-    A 64-byte half h of the quants, read as 32 words, indexes a 32-entry table of
-    bfloat16 (q & 15) - 8 four ways: by each word's bits 0-4, 4-8, 8-12 and 12-16 (the
-    table ignores bit 4), giving the low and high nibbles of its even and odd bytes with
-    one shift and one vpermw per 32 weights, no masks and no widening. Word j < 16 is
-    in sub-block 4h (4h + 1 for high nibbles), j >= 16 in 4h + 2 (4h + 3), so the
-    dot products' lanes 0-7 and 8-15 take two sub-blocks' scales; x is stored in the
-    same order (`_XPrep`).
-    """
-    comptime BS = block_bytes[Q4_K]()
-    var lo = SIMD[DType.float32, 32](0)
-    comptime for q in range(32):
-        lo[q] = Float32((q % 16) - 8)
-    var lut = bitcast[DType.int16, 32](lo.cast[DType.bfloat16]())
+    """y[m0 : m0+mt, n] for a Q5_K row `n`, through bfloat16 dot products."""
+    comptime BS = block_bytes[Q5_K]()
+    var lut = _lut()
     var acc = Array[FV, mt * 2](fill=0)
     var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
     var row = w + n * (K // 256) * BS
     for blk in range(K // 256):
         var bp = row + blk * BS
         prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
-        var sc = _scales[Q4_K](bp)
+        var sc = _scales(bp)
         _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
-        comptime for h in range(2):
-            var words = (bp + 16 + 64 * h).unsafe_bitcast[Int16]().unsafe_load[width=32](0)
-            comptime for p in range(2):
-                # p = 0: low nibbles (sub-blocks 4h, 4h + 2), p = 1: high (4h + 1, 4h + 3).
-                comptime a = 4 * h + p
-                comptime c = a + 2
-                var gs = sc[0].shuffle[a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c]()
-                var even = bitcast[DType.bfloat16, 32](
-                    llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut, words >> Int16(4 * p))
-                )
-                var odd = bitcast[DType.bfloat16, 32](
-                    llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](
-                        lut, (words.cast[DType.uint16]() >> UInt16(8 + 4 * p)).cast[DType.int16]()
-                    )
-                )
-                comptime for i in range(mt):
-                    var o = (m0 + i) * K + blk * 256 + 128 * h + 32 * p
-                    var s = _dot(FV(0), even, xp.hi.unsafe_load[width=32](o))
-                    s = _dot(s, even, xp.lo.unsafe_load[width=32](o))
-                    s = _dot(s, odd, xp.hi.unsafe_load[width=32](o + 64))
-                    s = _dot(s, odd, xp.lo.unsafe_load[width=32](o + 64))
-                    acc[2 * i + p] = fma(s, gs, acc[2 * i + p])
-    _store_tile[mt, 2, 8](acc, corr, b, y, N, m0, n, has_bias)
-
-
-@always_inline
-def _tile_bf16[fmt: Int, mt: Int](
-    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
-):
-    """y[m0 : m0+mt, n] for a K-quant row `n`, through bfloat16 dot products."""
-    comptime BS = block_bytes[fmt]()
-    var lut = _lut[fmt]()
-    var acc = Array[FV, mt * 2](fill=0)
-    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
-    var row = w + n * (K // 256) * BS
-    for blk in range(K // 256):
-        var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
-        var sc = _scales[fmt](bp)
-        comptime if fmt != Q6_K:
-            _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
         comptime for g in range(8):
-            var wv = _weights[fmt, g](bp, lut)
-            var gs = _group_scale[fmt, g](sc[0])
+            var wv = _weights[g](bp, lut)
+            var gs = sc[0].shuffle[g, g, g, g, g, g, g, g, g, g, g, g, g, g, g, g]()
             comptime for i in range(mt):
                 var o = (m0 + i) * K + blk * 256 + 32 * g
                 var s = _dot(FV(0), wv, xp.hi.unsafe_load[width=32](o))
@@ -541,52 +428,39 @@ def _tile_bf16[fmt: Int, mt: Int](
     _store_tile[mt, 2, 8](acc, corr, b, y, N, m0, n, has_bias)
 
 
-@always_inline
-def _row_bf16[fmt: Int](
-    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
-):
-    var m0 = m_begin
-    while m0 + MT <= m_end:
-        comptime if fmt == Q4_K:
-            _tile_q4k[MT](xp, w, b, y, K, N, m0, n, has_bias)
-        else:
-            _tile_bf16[fmt, MT](xp, w, b, y, K, N, m0, n, has_bias)
-        m0 += MT
-    comptime for rest in range(1, MT):
-        if m_end - m0 == rest:
-            comptime if fmt == Q4_K:
-                _tile_q4k[rest](xp, w, b, y, K, N, m0, n, has_bias)
-            else:
-                _tile_bf16[fmt, rest](xp, w, b, y, K, N, m0, n, has_bias)
-
-
-def _packed_bf16[fmt: Int](
+def _packed_bf16(
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    var xp = _XPrep(x, M, K, sums=fmt != Q6_K, q4k_order=fmt == Q4_K)
+    """Q5_K through bfloat16 dot products."""
+    var xp = _XPrep(x, M, K)
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm xp, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
-        _row_bf16[fmt](xp, w, b, y, K, N, m_begin, m_end, n, has_bias)
+        var m0 = m_begin
+        while m0 + MT <= m_end:
+            _tile_bf16[MT](xp, w, b, y, K, N, m0, n, has_bias)
+            m0 += MT
+        comptime for rest in range(1, MT):
+            if m_end - m0 == rest:
+                _tile_bf16[rest](xp, w, b, y, K, N, m0, n, has_bias)
 
     _share_rows(row, M, N, ntasks, ctx)
     xp.free()
 
 
-# ---- K-quant rows through 8-bit integer dot products --------------------------------
+# ---- Q5_K rows through 8-bit integer dot products ------------------------------------
 #
 # x is rounded once per call to int8 per block of 256 (`_X8`: x ~ dx q8, dx = max |x| /
-# 127), as ggml's Q8_K does, with the sums dx * sum(q8) per sub-block. A weight's quant
-# q (unsigned, 4 to 6 bits) is a byte as it comes out of the block, so per block
-#     sum_i x_i w_i ~ dx (d sum_j sc_j sum_{i in j} q_i q8_i) - sum_j m'_j sum_{i in j} dx q8_i
-# with m'_j = dmin m_j (Q4_K, Q5_K) or 32 d sc_j (Q6_K, whose values are d sc (q - 32)).
+# 127), as ggml's Q8_K does, with the sums dx * sum(q8) per sub-block (the grouped Q4_K
+# and Q6_K paths below round x the same way). A weight's quant q (unsigned, 5 bits) is
+# a byte as it comes out of the block, so per block
+#     sum_i x_i w_i ~ dx (d sum_j sc_j sum_{i in j} q_i q8_i) - sum_j dmin m_j sum_{i in j} dx q8_i
 # The first sum is integer: per 64 weights and input row, vpmaddubsw (u8 x s8 -> pairs
-# summed into i16; 63 * 127 * 2 fits) and vpdpwssd against the sub-blocks' scales as
+# summed into i16; 31 * 127 * 2 fits) and vpdpwssd against the sub-blocks' scales as
 # i16 (pairs of i16 products summed into i32): two instructions, the scales applied on
 # the way (vpdpbusd would sum four bytes at once but leave the scales to a float multiply
 # per 64 weights, three instructions). Per block and row one int-to-float FMA by d dx, and
-# one FMA of the m'_j by the sums; the bfloat16 path needs 6 instructions per 64 weights.
+# one FMA of the dmin m_j by the sums; the bfloat16 path needs 6 instructions per 64 weights.
 # With `terms` 2 the remainder of x's rounding, itself rounded to int8 (`_X8.lo`), goes
 # through the same two instructions into a second accumulator.
 
@@ -606,10 +480,10 @@ def _sub_elems[fmt: Int]() -> Int:
 @always_inline
 def _x8_offset[fmt: Int](j: Int) -> Int:
     """Where group j (0-15) of 16 activations of a block goes in `_X8.q`: natural order,
-    except Q4_K's and Q5_K's chunks of 64, which pair sub-blocks 4h + p and 4h + p + 2
-    (chunk 2h + p) as the low (p = 0) or high (p = 1) nibbles of bytes 64h .. 64h+63 hold
-    them (`_quants64`)."""
-    comptime if fmt == Q6_K:
+    except Q5_K's chunks of 64, which pair sub-blocks 4h + p and 4h + p + 2 (chunk
+    2h + p) as the low (p = 0) or high (p = 1) nibbles of bytes 64h .. 64h+63 hold them
+    (`_quants64`)."""
+    comptime if fmt != Q5_K:
         return 16 * j
     else:
         var sb = j // 2
@@ -632,10 +506,10 @@ struct _X8[fmt: Int, terms: Int]:
     def __init__(out self, x: F32Ptr, M: Int, K: Int):
         comptime SUB = _sub_elems[Self.fmt]()
         var nb = M * K // 256
-        self.q = alloc[Int8](M * K, alignment=64)
-        self.lo = alloc[Int8](M * K if Self.terms == 2 else 1, alignment=64)
-        self.d = alloc[Float32](nb, alignment=64)
-        self.sums = alloc[Float32](M * K // SUB, alignment=64)
+        self.q = alloc[Int8](max(M * K, 1), alignment=64)
+        self.lo = alloc[Int8](max(M * K, 1) if Self.terms == 2 else 1, alignment=64)
+        self.d = alloc[Float32](max(nb, 1), alignment=64)
+        self.sums = alloc[Float32](max(M * K // SUB, 1), alignment=64)
         for r in range(nb):
             var src = x + 256 * r
             var amax = FV(0)
@@ -671,58 +545,32 @@ struct _X8[fmt: Int, terms: Int]:
 
 
 @always_inline
-def _quants64[fmt: Int, c: Int](blk: U8Ptr) -> QV:
-    """Chunk c (0-3) of a K-block's quants as 64 unsigned bytes: weights 64c .. 64c+63
-    (Q6_K), or sub-blocks 4h + p and 4h + p + 2 for c = 2h + p (Q4_K, Q5_K)."""
+def _quants64[c: Int](blk: U8Ptr) -> QV:
+    """Chunk c = 2h + p (0-3) of a Q5_K block's quants as 64 unsigned bytes: sub-blocks
+    4h + p and 4h + p + 2, the low (p = 0) or high nibbles of bytes 48 + 64h .., with
+    bit 4 from the high bytes (bit j of high byte l is bit 4 of weight l of sub-block j)."""
     comptime h = c // 2
     comptime p = c % 2
-    comptime if fmt == Q6_K:
-        # Half h: 64 bytes of ql hold weights 128h + l in their low nibbles and 128h + 64
-        # + l in their high ones; 32 bytes of qh hold 2 high bits each for weights 128h
-        # + 32s + l in bits 2s, 2s+1: [qh, qh >> 2] puts s = 0, 1 in bits 0-1 and s = 2,
-        # 3 in bits 4-5 of 64 bytes.
-        var ql = (blk + 64 * h).unsafe_load[width=64](0)
-        var qh = (blk + 128 + 32 * h).unsafe_load[width=32](0)
-        var v = qh.join(qh >> 2)
-        comptime if p == 0:
-            return (ql & 0xF) | ((v << 4) & 0x30)
-        else:
-            return (ql >> 4) | (v & 0x30)
+    var q = (blk + 48 + 64 * h).unsafe_load[width=64](0)
+    comptime if p == 0:
+        q = q & 0xF
     else:
-        comptime qoff = 16 if fmt == Q4_K else 48
-        var q = (blk + qoff + 64 * h).unsafe_load[width=64](0)
-        comptime if p == 0:
-            q = q & 0xF
-        else:
-            q = q >> 4
-        comptime if fmt == Q5_K:
-            # Bit j of high byte l is bit 4 of weight l of sub-block j.
-            var qh = (blk + 16).unsafe_load[width=32](0)
-            q = q | ((((qh.join(qh >> 2)) >> UInt8(4 * h + p)) & 1) << 4)
-        return q
+        q = q >> 4
+    var qh = (blk + 16).unsafe_load[width=32](0)
+    return q | ((((qh.join(qh >> 2)) >> UInt8(4 * h + p)) & 1) << 4)
 
 
 @always_inline
-def _spread[c: Int, fmt: Int](sc: SIMD[DType.int16, 32]) -> SIMD[DType.int16, 32]:
-    """The i16 scale of each lane of vpmaddubsw's result over chunk c (lane k holds
-    weights 2k, 2k+1 of the chunk): sub-block 4c + k / 8 (Q6_K) or 4h + p + 2 (k / 16)
-    (Q4_K, Q5_K; c = 2h + p), picked from `sc` by vpermw."""
+def _spread[c: Int](sc: SIMD[DType.int16, 32]) -> SIMD[DType.int16, 32]:
+    """The i16 scale of each lane of vpmaddubsw's result over chunk c = 2h + p (lane k
+    holds weights 2k, 2k+1 of the chunk): sub-block 4h + p + 2 (k / 16), picked from `sc`
+    by vpermw, or without it (no AVX-512) as two halves."""
+    comptime a = 4 * (c // 2) + c % 2
     comptime if not VNNI_DOT:
-        # No vpermw: each scale covers whole 128-bit quarters (Q6_K) or halves.
-        comptime if fmt == Q6_K:
-            comptime S8 = SIMD[DType.int16, 8]
-            return S8(sc[4 * c]).join(S8(sc[4 * c + 1])).join(
-                S8(sc[4 * c + 2]).join(S8(sc[4 * c + 3]))
-            )
-        else:
-            comptime a = 4 * (c // 2) + c % 2
-            return SIMD[DType.int16, 16](sc[a]).join(SIMD[DType.int16, 16](sc[a + 2]))
+        return SIMD[DType.int16, 16](sc[a]).join(SIMD[DType.int16, 16](sc[a + 2]))
     var idx = WV(0)
     comptime for k in range(32):
-        comptime if fmt == Q6_K:
-            idx[k] = Int16(4 * c + k // 8)
-        else:
-            idx[k] = Int16(4 * (c // 2) + c % 2 + 2 * (k // 16))
+        idx[k] = Int16(a + 2 * (k // 16))
     return llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](sc, idx)
 
 
@@ -754,39 +602,29 @@ def _madd_avx2(u: QV, x: XV, w16: SIMD[DType.int16, 32]) -> IV:
 
 
 @always_inline
-def _tile_vnni[fmt: Int, terms: Int, mt: Int](
-    xq: _X8[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+def _tile_vnni[terms: Int, mt: Int](
+    xq: _X8[Q5_K, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
 ):
-    """y[m0 : m0+mt, n] for a K-quant row `n`, through 8-bit integer dot products."""
-    comptime BS = block_bytes[fmt]()
-    comptime CW = 256 // _sub_elems[fmt]()
+    """y[m0 : m0+mt, n] for a Q5_K row `n`, through 8-bit integer dot products."""
+    comptime BS = block_bytes[Q5_K]()
     var nb = K // 256
     var acc = Array[FV, mt * 1](fill=0)
-    var corr = Array[SIMD[DType.float32, CW], mt](fill=0)
+    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
     var row = w + n * nb * BS
     for blk in range(nb):
         var bp = row + blk * BS
         prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
-        var d: Float32
-        var sc: SIMD[DType.int16, 32]
-        var coeff: SIMD[DType.float32, CW]
-        comptime if fmt == Q6_K:
-            d = _half(bp + 208)
-            var s8 = (bp + 192).unsafe_bitcast[Int8]().unsafe_load[width=16](0)
-            sc = s8.cast[DType.int16]().join(SIMD[DType.int16, 16](0))
-            coeff = rebind[SIMD[DType.float32, CW]](s8.cast[DType.float32]() * (32 * d))
-        else:
-            d = _half(bp)
-            var sm = _scales_mins_k4(bp)
-            sc = sm[0].cast[DType.int16]().join(SIMD[DType.int16, 8](0)).join(
-                SIMD[DType.int16, 16](0)
-            )
-            coeff = rebind[SIMD[DType.float32, CW]](sm[1].cast[DType.float32]() * _half(bp + 2))
+        var d = _half(bp)
+        var sm = _scales_mins_k4(bp)
+        var sc = sm[0].cast[DType.int16]().join(SIMD[DType.int16, 8](0)).join(
+            SIMD[DType.int16, 16](0)
+        )
+        var coeff = sm[1].cast[DType.float32]() * _half(bp + 2)
         var isum = Array[IV, mt * terms](fill=0)
         comptime for c in range(4):
-            var q = _quants64[fmt, c](bp)
-            var s = _spread[c, fmt](sc)
+            var q = _quants64[c](bp)
+            var s = _spread[c](sc)
             comptime for i in range(mt):
                 var o = (m0 + i) * K + blk * 256 + 64 * c
                 isum[terms * i] = _dot8(isum[terms * i], q, (xq.q + o).unsafe_load[width=64](0), s)
@@ -799,33 +637,26 @@ def _tile_vnni[fmt: Int, terms: Int, mt: Int](
             acc[i] = fma(isum[terms * i].cast[DType.float32](), FV(ddx), acc[i])
             comptime if terms == 2:
                 acc[i] = fma(isum[2 * i + 1].cast[DType.float32](), FV(ddx / 254), acc[i])
-            var xs = xq.sums.unsafe_load[width=CW](r * CW)
+            var xs = xq.sums.unsafe_load[width=8](r * 8)
             corr[i] = fma(coeff, xs, corr[i])
-    _store_tile[mt, 1, CW](acc, corr, b, y, N, m0, n, has_bias)
+    _store_tile[mt, 1, 8](acc, corr, b, y, N, m0, n, has_bias)
 
 
-@always_inline
-def _row_vnni[fmt: Int, terms: Int](
-    xq: _X8[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    K: Int, N: Int, m_begin: Int, m_end: Int, n: Int, has_bias: Bool,
-):
-    var m0 = m_begin
-    while m0 + MT <= m_end:
-        _tile_vnni[fmt, terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
-        m0 += MT
-    comptime for rest in range(1, MT):
-        if m_end - m0 == rest:
-            _tile_vnni[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
-
-
-def _packed_vnni[fmt: Int, terms: Int](
+def _packed_vnni[terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
-    var xq = _X8[fmt, terms](x, M, K)
+    """Q5_K through 8-bit integer dot products, `terms` of x."""
+    var xq = _X8[Q5_K, terms](x, M, K)
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
-        _row_vnni[fmt, terms](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
+        var m0 = m_begin
+        while m0 + MT <= m_end:
+            _tile_vnni[terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
+            m0 += MT
+        comptime for rest in range(1, MT):
+            if m_end - m0 == rest:
+                _tile_vnni[terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
 
     _share_rows(row, M, N, ntasks, ctx)
     xq.free()
@@ -1151,6 +982,26 @@ def _group_q4_0x16[terms: Int, mt: Int](
         _tile_q4_0x16[max(terms, 1), mt](xq, w, b, y, K, N, m0, g, has_bias)
 
 
+def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) -> None](
+    group: Group, tail: Tail, M: Int, N: Int, ntasks: Int, ctx: Optional[CpuCtx]
+) raises:
+    """`group(m_begin, m_end, g)` for every group of `GROUP` weight rows and `tail(m_begin,
+    m_end, n)` for each row past the last whole group, every pass of up to `MC` input
+    rows, shared out (`skinny.share_passes`) in chunks of `CHUNK_ROWS` rows."""
+    var groups = N // GROUP
+    comptime PER_CHUNK = CHUNK_ROWS // GROUP
+    var nchunks = max(1, ceildiv(groups, PER_CHUNK))
+
+    def chunk(m_begin: Int, m_end: Int, c: Int) {imm group, imm tail, imm N, imm groups, imm nchunks}:
+        for g in range(c * PER_CHUNK, min((c + 1) * PER_CHUNK, groups)):
+            group(m_begin, m_end, g)
+        if c == nchunks - 1:
+            for n in range(groups * GROUP, N):
+                tail(m_begin, m_end, n)
+
+    share_passes(chunk, M, nchunks, ntasks, ctx)
+
+
 def _packed_q4_0x16[terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
@@ -1160,27 +1011,218 @@ def _packed_q4_0x16[terms: Int](
     comptime T = max(terms, 1)
     # x rounded for the integer paths; the float32 one reads x as it is.
     var xq = _X8S[Q4_0, T](x, M if terms else 0, K)
-    var groups = N // GROUP
-    comptime PER_CHUNK = CHUNK_ROWS // GROUP
-    var nchunks = max(1, ceildiv(groups, PER_CHUNK))
 
-    def chunk(m_begin: Int, m_end: Int, c: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias, imm groups, imm nchunks}:
-        for g in range(c * PER_CHUNK, min((c + 1) * PER_CHUNK, groups)):
-            var m0 = m_begin
-            while m0 + MT <= m_end:
-                _group_q4_0x16[terms, MT](xq, x, w, b, y, K, N, m0, g, has_bias)
-                m0 += MT
-            comptime for rest in range(1, MT):
-                if m_end - m0 == rest:
-                    _group_q4_0x16[terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
-        if c == nchunks - 1:
-            for n in range(groups * GROUP, N):
+    def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        var m0 = m_begin
+        while m0 + MT <= m_end:
+            _group_q4_0x16[terms, MT](xq, x, w, b, y, K, N, m0, g, has_bias)
+            m0 += MT
+        comptime for rest in range(1, MT):
+            if m_end - m0 == rest:
+                _group_q4_0x16[terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
+
+    def tail(m_begin: Int, m_end: Int, n: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        comptime if terms == 0:
+            _row[Q4_0](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
+        else:
+            _row_vnni32[Q4_0, T](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
+
+    _share_groups(group, tail, M, N, ntasks, ctx)
+    xq.free()
+
+
+# ---- Q4_K and Q6_K sixteen rows at a time (`kernels.interleave` lays the blocks out) --
+#
+# The same grouping for the K-quants: block b of a group holds the 16 rows' float16 d
+# (and Q4_K's dmin), their scales one row a byte lane (Q4_K's 12 packed bytes, Q6_K's
+# 16 int8s), then their quants 4 bytes a row and 32-bit lane, so that each 64-byte
+# vector holds 4 neighbouring weights of every row (a column, `_kx16_col`): Q4_K's
+# nibbles as the file pairs its sub-blocks, Q6_K's 6-bit quants rebuilt from three
+# vectors per four columns (`kernels._q6_k_lanes`). Per sub-block j and input row,
+# its columns go into one integer sum I_j (vpdpbusd against x's 4 int8s there,
+# broadcast), scaled by the rows' integer scales in one float FMA; per block,
+#     y += d dx sum_j sc_j I_j + sum_j c_j s_j
+# with s_j the sub-block's sum of rounded x (`_X8.sums`) and c_j = -dmin m_j (Q4_K) or
+# -32 d sc_j (Q6_K, whose values are d sc (q - 32)). With `terms` 0 the same sums are
+# taken in float32 over x as it is. No bookkeeping is per row: a row's dot product is
+# a lane, so a decode step spends its instructions on the dot products, where a row at
+# a time (`_tile_vnni`) spent as many again on each row's sums and scales.
+
+comptime GROUP_PREFETCH = 4 * PREFETCH_BYTES
+"""How far ahead of a K-quant group's block its bytes are requested: a group streams
+16 rows' bytes per block, and twice `PREFETCH_BYTES` ahead still left the one-row step
+waiting on memory (`docs/performance.md`, "Packed rows ahead")."""
+
+comptime AccV[terms: Int] = SIMD[DType.float32 if terms == 0 else DType.int32, 16]
+"""A column's sums for 16 weight rows: int32 on the integer paths, float32 on `terms` 0."""
+
+
+@always_inline
+def _halves(p: U8Ptr) -> FV:
+    """The 16 float16s at `p`, widened."""
+    return p.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
+
+
+@always_inline
+def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) -> AccV[terms]:
+    """acc[r] += the sum over i < 4 of byte 4r + i of `u` (a column: weight o + i of
+    row r) times x[o + i]: one vpdpbusd against x's 4 int8s at `xi` + o, broadcast (or
+    AVX2's byte products: quants below 64 keep their pairs within i16), or (terms 0)
+    four float32 FMAs against `xf`."""
+    comptime if terms == 0:
+        var wd = bitcast[DType.uint32, GROUP](u)
+        var a = rebind[FV](acc)
+        comptime for i in range(4):
+            var q = ((wd >> UInt32(8 * i)) & 0xFF).cast[DType.float32]()
+            a = fma(q, FV(xf.unsafe_load(o + i)), a)
+        return rebind[AccV[terms]](a)
+    else:
+        var xb = bitcast[DType.int8, 64](IV((xi + o).unsafe_bitcast[Int32]().unsafe_load(0)))
+        return rebind[AccV[terms]](_dot_u8[Q4_K](rebind[IV](acc), u, xb))
+
+
+@always_inline
+def _kx16_col[fmt: Int, j: Int, k: Int](q: U8Ptr) -> QV:
+    """Column k of sub-block j (weights `_sub_elems` j + 4k .. +3 of the 16 rows, one a
+    32-bit lane) from the quants at `q`. Q4_K: vector k of pair j / 2, its low (even j)
+    or high nibbles. Q6_K: column c = 4j + k is c % 16 = u's L1 (c / 16 = 0, 2) or L2
+    (1, 3), low or high nibble, with bits 2 (c / 16) of u's H above them."""
+    comptime if fmt == Q4_K:
+        var v = (q + 512 * (j // 2) + 64 * k).unsafe_load[width=64](0)
+        comptime if j % 2 == 0:
+            return v & 0xF
+        else:
+            return v >> 4
+    else:
+        comptime a = j // 4
+        comptime u = 4 * (j % 4) + k
+        var l = (q + 192 * u + 64 * (a % 2)).unsafe_load[width=64](0)
+        var h = (q + 192 * u + 128).unsafe_load[width=64](0)
+        var low = (l >> UInt8(4 * (a // 2))) & 0xF
+        comptime if a == 0:
+            return low | ((h << 4) & 0x30)
+        elif a == 1:
+            return low | ((h << 2) & 0x30)
+        elif a == 2:
+            return low | (h & 0x30)
+        else:
+            return low | ((h >> 2) & 0x30)
+
+
+@always_inline
+def _kx16_scale[fmt: Int, j: Int](bp: U8Ptr) -> Tuple[FV, FV]:
+    """Sub-block j's (sc_j, m_j) of the 16 rows as float32: Q4_K's 6-bit scale and min
+    (see `_scales_mins_k4`, one row a lane), Q6_K's int8 scale (and no min)."""
+    comptime if fmt == Q4_K:
+        var p = bp + 4 * GROUP  # byte i of the 12 at p + 16 i, one row a lane
+        var a = (p + GROUP * (j % 4)).unsafe_load[width=GROUP](0)
+        var m = (p + GROUP * (j % 4 + 4)).unsafe_load[width=GROUP](0)
+        comptime if j < 4:
+            return ((a & 63).cast[DType.float32](), (m & 63).cast[DType.float32]())
+        var c = (p + GROUP * (j + 4)).unsafe_load[width=GROUP](0)
+        return (
+            ((c & 0xF) | ((a >> 6) << 4)).cast[DType.float32](),
+            ((c >> 4) | ((m >> 6) << 4)).cast[DType.float32](),
+        )
+    else:
+        var sc = (bp + 2 * GROUP + GROUP * j).unsafe_bitcast[Int8]().unsafe_load[width=GROUP](0)
+        return (sc.cast[DType.float32](), FV(0))
+
+
+@always_inline
+def _tile_kx16[fmt: Int, terms: Int, mt: Int](
+    xq: _X8[fmt, max(terms, 1)], x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
+):
+    """y[m0 : m0+mt, 16g : 16g+16] from group `g` of `kernels.interleave`'s layout."""
+    comptime T = max(terms, 1)
+    comptime GB = GROUP * block_bytes[fmt]()
+    comptime SUB = _sub_elems[fmt]()
+    comptime COLS = SUB // 4
+    comptime QOFF = (4 if fmt == Q4_K else 2) * GROUP + (12 if fmt == Q4_K else 16) * GROUP
+    # Two sums a row and term where there are few rows, so the dot products do not all
+    # wait on one chain.
+    comptime P = 2 if mt * T < 4 else 1
+    var nb = K // 256
+    var acc = Array[FV, mt](fill=0)
+    var grp = w + g * nb * GB
+    for blk in range(nb):
+        var bp = grp + blk * GB
+        var q = bp + QOFF
+        var d = _halves(bp)
+        var scaled = Array[FV, mt * T](fill=0)
+        var mins = Array[FV, mt](fill=0)
+        comptime for j in range(256 // SUB):
+            comptime STRIDE = GB * SUB // 256
+            comptime for line in range(0, STRIDE, 64):
+                prefetch[PrefetchOptions().for_read().medium_locality()](
+                    bp + GROUP_PREFETCH + STRIDE * j + line
+                )
+            var sums = Array[AccV[terms], mt * T * P](fill=0)
+            comptime for k in range(COLS):
+                var col = _kx16_col[fmt, j, k](q)
+                comptime for i in range(mt):
+                    var o = (m0 + i) * K + 256 * blk + SUB * j + 4 * k
+                    comptime for t in range(T):
+                        comptime a = (i * T + t) * P + k % P
+                        sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
+            var sm = _kx16_scale[fmt, j](bp)
+            # Each sub-block's sum of x, times its coefficient (see above).
+            var coeff: FV
+            comptime if fmt == Q4_K:
+                coeff = -_halves(bp + 2 * GROUP) * sm[1]
+            else:
+                coeff = -32 * d * sm[0]
+            comptime for i in range(mt):
+                comptime for t in range(T):
+                    var s = sums[(i * T + t) * P]
+                    comptime if P == 2:
+                        s += sums[(i * T + t) * P + 1]
+                    scaled[i * T + t] = fma(s.cast[DType.float32](), sm[0], scaled[i * T + t])
+                var xs: Float32
                 comptime if terms == 0:
-                    _row[Q4_0](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
+                    xs = (x + (m0 + i) * K + 256 * blk + SUB * j).unsafe_load[width=SUB](0).reduce_add()
                 else:
-                    _row_vnni32[Q4_0, T](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
+                    xs = xq.sums.unsafe_load(((m0 + i) * nb + blk) * (256 // SUB) + j)
+                mins[i] = fma(coeff, FV(xs), mins[i])
+        comptime for i in range(mt):
+            var s = scaled[i * T]
+            comptime if T == 2:
+                s = fma(scaled[i * T + 1], FV(1.0 / 254), s)
+            var dx = xq.d.unsafe_load((m0 + i) * nb + blk) if terms else Float32(1)
+            acc[i] = fma(s, d * dx, acc[i] + mins[i])
+    comptime for i in range(mt):
+        var s = acc[i]
+        if has_bias:
+            s += b.unsafe_load[width=GROUP](GROUP * g)
+        y.unsafe_store((m0 + i) * N + GROUP * g, s)
 
-    share_passes(chunk, M, nchunks, ntasks, ctx)
+
+def _packed_kx16[fmt: Int, terms: Int](
+    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+) raises:
+    """Q4_K or Q6_K in `kernels.interleave`'s layout, with `terms` int8 terms of x, or
+    (0) in float32; the rows past the last whole group in float32, as the file has them."""
+    comptime T = max(terms, 1)
+    # Input rows per tile: each column is rebuilt once per tile, so a prefill wants a
+    # tall one; 8 sums of one term, or 4 of two, still fit the registers.
+    comptime KMT = 8 // T
+    var xq = _X8[fmt, T](x, M if terms else 0, K)
+
+    def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        var m0 = m_begin
+        while m0 + KMT <= m_end:
+            _tile_kx16[fmt, terms, KMT](xq, x, w, b, y, K, N, m0, g, has_bias)
+            m0 += KMT
+        comptime for rest in range(1, KMT):
+            if m_end - m0 == rest:
+                _tile_kx16[fmt, terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
+
+    def tail(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
+        _row[fmt](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
+
+    _share_groups(group, tail, M, N, ntasks, ctx)
     xq.free()
 
 
@@ -1193,16 +1235,18 @@ comptime DOT_INT8X2 = 4
 
 def dot_path[fmt: Int, dot: Int]() -> Int:
     """The arithmetic of every step: for DOT_AUTO the fastest this CPU has for the
-    format, int8 (VNNI), bfloat16 or float32; a named one if it has it, else float32
-    (the exact one: a test of a named path then holds wherever it runs)."""
-    comptime if block_elems[fmt]() == 32:
-        # No bfloat16 path: int8 where the CPU multiplies bytes (INT8_DOT), else float32.
-        if dot == DOT_AUTO or dot == DOT_INT8 or dot == DOT_INT8X2:
-            return (DOT_INT8X2 if dot == DOT_AUTO else dot) if INT8_DOT else DOT_F32
-        return DOT_F32
-    if dot == DOT_AUTO:
-        return DOT_INT8X2 if INT8_DOT else (DOT_BF16 if BF16_DOT else DOT_F32)
-    if (dot == DOT_BF16 and BF16_DOT) or ((dot == DOT_INT8 or dot == DOT_INT8X2) and INT8_DOT):
+    format, at the rounding the format needs; a named one if the CPU and the format have
+    it, else float32 (the exact one: a test of a named path then holds wherever it
+    runs). int8 needs bytes multiplied (INT8_DOT); bfloat16 is Q5_K's alone."""
+    comptime if dot == DOT_AUTO:
+        comptime if not INT8_DOT:
+            return DOT_BF16 if BF16_DOT and fmt == Q5_K else DOT_F32
+        # Q4_K and Q6_K round x once, as MAX's kernel and llama.cpp's do; Q5_K's QKV
+        # projections need the second term (see above), and the 32-value types keep it.
+        return DOT_INT8 if fmt == Q4_K or fmt == Q6_K else DOT_INT8X2
+    if (dot == DOT_INT8 or dot == DOT_INT8X2) and INT8_DOT:
+        return dot
+    if dot == DOT_BF16 and BF16_DOT and fmt == Q5_K:
         return dot
     return DOT_F32
 
@@ -1212,19 +1256,21 @@ def packed_matmul[fmt: Int, dot: Int](
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     comptime path = dot_path[fmt, dot]()
+    comptime terms = 2 if path == DOT_INT8X2 else (1 if path == DOT_INT8 else 0)
     comptime if fmt == Q4_0:
-        comptime terms = 2 if path == DOT_INT8X2 else (1 if path == DOT_INT8 else 0)
         _packed_q4_0x16[terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
+    elif fmt == Q4_K or fmt == Q6_K:
+        _packed_kx16[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        return
     comptime if path == DOT_INT8 or path == DOT_INT8X2:
-        comptime terms = 2 if path == DOT_INT8X2 else 1
         comptime if block_elems[fmt]() == 32:
             _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         else:
-            _packed_vnni[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+            _packed_vnni[terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
     elif path == DOT_BF16:
-        _packed_bf16[fmt](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        _packed_bf16(x, w, b, y, M, K, N, has_bias, ntasks, ctx)
         return
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
