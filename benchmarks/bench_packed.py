@@ -1,11 +1,11 @@
 """The packed-weight kernels at a few rows: the package's (`kernels/mojo/kquant.mojo`,
-blocks as the file stores them; K-quant decode rows in each arithmetic `--dots` names,
-`kernels.DOTS`) against MAX's `qmatmul` (its `vroom` kernels, blocks repacked at load,
-8-bit activations), per GGUF block type.
+blocks laid out as `kernels.interleave` lays them at load; in each arithmetic `--dots`
+names, `kernels.DOTS`) against MAX's `qmatmul` (its `vroom` kernels, blocks repacked at
+load, 8-bit activations), per GGUF block type.
 
     PYTHONPATH=. python benchmarks/bench_packed.py     # nothing else running
     PYTHONPATH=. python benchmarks/bench_packed.py --types q4_k --layers 36
-    PYTHONPATH=. python benchmarks/bench_packed.py --rows 64 --dots auto
+    PYTHONPATH=. python benchmarks/bench_packed.py --rows 64 --dots auto,int8x2
 
 Each graph chains `--layers` pairs of GPT-2's MLP projections (768 -> 3072 -> 768)
 on random weights quantized to the type, `--rows` input rows. At the default 12 layers the
@@ -40,8 +40,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--dots", default="int8x2,int8,bfloat16",
-                        help="the package's decode arithmetics to run (kernels.DOTS)")
+    parser.add_argument("--dots", default="auto",
+                        help="the package's arithmetics to run (kernels.DOTS; auto is "
+                        "what the model runs)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     session = InferenceSession(devices=[CPU()])

@@ -24,7 +24,7 @@ HF's argmax given the same prefix, teacher-forced on the engine's own tokens
 close call (high) from garbage (about one in the vocabulary).
 
 GGUF rows: the same checkpoint written as a GGUF of each `--gguf-types` type is
-served from that file (`--weight-path`) and runs scenarios a and c. Their HF is
+served from that file (`--weight-path`) and runs scenarios a, c and d. Their HF is
 float32 on the file's weights dequantized by the `gguf` package, so only the
 engines' arithmetic differs from it; for block-quantized types that is not
 float32-exact by design (MAX's `qmatmul` quantizes activations to 8 bits per
@@ -46,7 +46,9 @@ With `--llama-tools`, llama.cpp's own `llama-bench` (tg128, pp900) and
 `llama-batched-bench` (8 sequences of 16 + 128 tokens) run on the same files
 (F32 for the float rows; built once by `build_llama_cpp.sh`), and their rows
 stand beside the server's single-request, 8-concurrent and 900-token-prefill
-ones. `llama-bench` tg128 and `llama-server` answering the same single request
+ones: each with llama.cpp's CPU repacking of the weights (its default), or where
+that crashes without it, labelled so, and `llama-bench` tg128 both ways.
+`llama-bench` tg128 and `llama-server` answering the same single request
 also run in every repetition, right after the server's single request on the same
 weights: each "median pair" row is the pair whose ratio is the median of those
 same-minute ratios, the one to read on a machine whose speed drifts.
@@ -115,7 +117,7 @@ THREADS = os.cpu_count() or 1
 """Every engine gets every core."""
 SERVE_ARGS = ("--max-batch-size", "32")
 """How the measured servers run (the RSS servers set their own batch size)."""
-GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16")
+GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16", "d_prefill_900")
 """The scenarios each GGUF type runs: one request, and eight at once."""
 GGUF_RSS_BATCH_SIZE = 8
 PAIRED_SCENARIO = "a_single_16"
@@ -359,46 +361,58 @@ TOOL_ROWS = (
     ("c_concurrent_8x16", "batched_tg", "llama-batched-bench 8 seq, decode"),
     ("c_concurrent_8x16", "server_c_concurrent_8x16", "llama-server --parallel 8, 8 req."),
     ("d_prefill_900", "pp900", "llama-bench pp900"),
+    ("a_single_16", "tg128_no_repack", "llama-bench tg128, no repack"),
 )
 """(server scenario, llama.cpp tool figure, its label), side by side."""
 
 
-def attempt(label: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """`run()`'s figures, or none when the llama.cpp tool crashes: llama.cpp 0.3.36
-    segfaults on Q4_K_M files (its own llama-quantize's too) whenever it processes more
-    than one token at once on the Intel Xeon (family 6, model 167) of these machines, so
-    only `llama-bench` tg128 runs there. The report says which figure is missing."""
-    try:
-        return run()
-    except (subprocess.CalledProcessError, RuntimeError, OSError, httpx.HTTPError) as error:
-        print(f"{label} failed, its figures are left out: {error}")
-        return {}
+def attempt(label: str, run: Callable[[bool], dict[str, float]]) -> dict[str, float]:
+    """`run(repack)`'s figures with llama.cpp's CPU repacking of the weights (its default),
+    else without it, else none: llama.cpp 0.3.36 segfaults on Q4_K_M files (its own
+    llama-quantize's too) whenever it processes more than one token at once with the
+    weights repacked, on the Intel Xeon (family 6, model 167) of these machines. A figure
+    taken without repacking comes with a key `no_repack:<its name>`, and the report says
+    so, or which figures are missing."""
+    for repack in (True, False):
+        try:
+            figures = run(repack)
+            return figures if repack else {**figures, **{f"no_repack:{k}": 1.0 for k in figures}}
+        except (subprocess.CalledProcessError, RuntimeError, OSError, httpx.HTTPError) as error:
+            how = "" if repack else " without repacking"
+            print(f"{label}{how} failed{'' if repack else ', its figures are left out'}: {error}")
+    return {}
 
 
 def llama_tools(path: Path, flash_attn: bool, repetition: int = 0) -> dict[str, float]:
     """llama.cpp's own tools on one file, tokens per second: llama-bench, batched-bench,
-    and llama-server (8 slots) over HTTP on scenarios a and c's prompts."""
-    rows = attempt(f"llama-bench pp900 + tg128 on {path.name}",
-                   lambda: llama_cpp_tools.llama_bench(path, THREADS, flash_attn=flash_attn))
-    if not rows:
-        rows = llama_cpp_tools.llama_bench(path, THREADS, prompt=0, flash_attn=flash_attn)
-    batched = attempt(f"llama-batched-bench on {path.name}", lambda: {
+    and llama-server (8 slots) over HTTP on scenarios a and c's prompts; each with the
+    weights repacked, or where that crashes without (`attempt`), and `llama-bench` tg128
+    both ways (`tg128_no_repack`), the faster being llama.cpp's best one stream."""
+    rows = attempt(f"llama-bench pp900 + tg128 on {path.name}", lambda repack:
+                   llama_cpp_tools.llama_bench(path, THREADS, flash_attn=flash_attn,
+                                               repack=repack))
+    plain = llama_cpp_tools.llama_bench(
+        path, THREADS, prompt=0, flash_attn=flash_attn, repack=False)[f"tg{NEW_TOKENS}"]
+    batched = attempt(f"llama-batched-bench on {path.name}", lambda repack: {
         "batched_tg": llama_cpp_tools.batched_bench(
-            path, THREADS, sequences=8, prompt=16, generate=NEW_TOKENS, flash_attn=flash_attn
+            path, THREADS, sequences=8, prompt=16, generate=NEW_TOKENS, flash_attn=flash_attn,
+            repack=repack,
         )["tg"]})
     prompts = scenarios(quick=True, repetition=repetition)
 
-    def served() -> dict[str, float]:
-        with llama_server(path) as url:
+    def served(repack: bool) -> dict[str, float]:
+        with llama_server(path, repack) as url:
             return {f"server_{name}": llama_server_tok_s(url, prompts[name])
                     for name in ("a_single_16", "c_concurrent_8x16")}
 
-    return {**rows, **batched, **attempt(f"llama-server on {path.name}", served)}
+    return {**rows, "tg128_no_repack": plain, **batched,
+            **attempt(f"llama-server on {path.name}", served)}
 
 
-def llama_server(path: Path) -> contextlib.AbstractContextManager[str]:
+def llama_server(path: Path, repack: bool = True) -> contextlib.AbstractContextManager[str]:
     """`llama-server` on `path` as every row runs it: 8 slots of 256 tokens."""
-    return llama_cpp_tools.server(path, THREADS, parallel=8, ctx_per_slot=256)
+    return llama_cpp_tools.server(path, THREADS, parallel=8, ctx_per_slot=256,
+                                  extra=() if repack else ("--no-repack",))
 
 
 def llama_server_tok_s(url: str, prompts: list[list[int]]) -> float:
@@ -423,8 +437,8 @@ def paired_peers(
             path, THREADS, prompt=0, generate=NEW_TOKENS, flash_attn=args.llama_flash_attn
         )[f"tg{NEW_TOKENS}"]
 
-        def served() -> dict[str, float]:
-            with llama_server(path) as url:
+        def served(repack: bool) -> dict[str, float]:
+            with llama_server(path, repack) as url:
                 return {"server_one": llama_server_tok_s(url, prompts)}
 
         return {"tg128": tg, **attempt(f"paired llama-server on {path.name}", served)}
@@ -448,7 +462,8 @@ def print_tool_rows(result: dict) -> None:
     for label, (median, runs, tools) in tables.items():
         for scenario, figure, tool in TOOL_ROWS:
             if scenario in median and figure in tools:
-                row(label, scenario, median[scenario]["max_tok_s"], tool, tools[figure])
+                how = " (no repack)" if f"no_repack:{figure}" in tools else ""
+                row(label, scenario, median[scenario]["max_tok_s"], tool + how, tools[figure])
         for key, tool in PAIRED_TOOLS.items():
             if all(f"max_over_paired_{key}" in r.get(PAIRED_SCENARIO, {}) for r in runs):
                 pair = median_pair(runs, key)

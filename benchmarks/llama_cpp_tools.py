@@ -38,13 +38,14 @@ def binaries() -> Path:
 
 def llama_bench(
     model: Path, threads: int, *, prompt: int = 900, generate: int = 128, repeat: int = 3,
-    flash_attn: bool = False,
+    flash_attn: bool = False, repack: bool = True,
 ) -> dict[str, float]:
-    """`llama-bench`'s mean tokens per second: `pp<prompt>` and `tg<generate>`."""
+    """`llama-bench`'s mean tokens per second: `pp<prompt>` and `tg<generate>`; with
+    `repack` False, its weights as the file has them (`--repack 0`, not its CPU repacking)."""
     out = subprocess.run(
         [str(binaries() / "llama-bench"), "-m", str(model), "-t", str(threads),
          "-p", str(prompt), "-n", str(generate), "-r", str(repeat),
-         "-fa", "1" if flash_attn else "0", "-o", "json"],
+         "-fa", "1" if flash_attn else "0", "--repack", "1" if repack else "0", "-o", "json"],
         check=True, capture_output=True, text=True, env=child_env(),
     )
     rows = {}
@@ -56,16 +57,17 @@ def llama_bench(
 
 def batched_bench(
     model: Path, threads: int, *, sequences: int = 8, prompt: int = 16, generate: int = 128,
-    flash_attn: bool = False,
+    flash_attn: bool = False, repack: bool = True,
 ) -> dict[str, float]:
     """`llama-batched-bench` with `sequences` streams of `prompt` + `generate` tokens:
-    its decode tokens per second over all streams (`S_TG t/s`) and its total."""
+    its decode tokens per second over all streams (`S_TG t/s`) and its total; `repack`
+    as for `llama_bench`."""
     ctx = sequences * (prompt + generate)
     out = subprocess.run(
         [str(binaries() / "llama-batched-bench"), "-m", str(model), "-t", str(threads),
          "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
          "-ntg", str(generate), "-npl", str(sequences), "-fa", "1" if flash_attn else "0",
-         "--output-format", "jsonl"],
+         *(() if repack else ("--no-repack",)), "--output-format", "jsonl"],
         check=True, capture_output=True, text=True, env=child_env(),
     )
     (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

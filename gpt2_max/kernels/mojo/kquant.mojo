@@ -1050,8 +1050,8 @@ def _packed_q4_0x16[terms: Int](
 
 comptime GROUP_PREFETCH = 4 * PREFETCH_BYTES
 """How far ahead of a K-quant group's block its bytes are requested: a group streams
-16 rows' bytes per block, and twice `PREFETCH_BYTES` ahead still left the one-row step
-waiting on memory (`docs/performance.md`, "Packed rows ahead")."""
+16 rows' bytes per block, and `PREFETCH_BYTES` ahead left the one-row step waiting on
+memory (`docs/performance.md`, "Packed rows ahead")."""
 
 comptime AccV[terms: Int] = SIMD[DType.float32 if terms == 0 else DType.int32, 16]
 """A column's sums for 16 weight rows: int32 on the integer paths, float32 on `terms` 0."""
