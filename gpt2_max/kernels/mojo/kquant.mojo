@@ -892,7 +892,13 @@ def _packed_vnni32[fmt: Int, terms: Int](
 # come out the same whatever they are batched with.
 
 comptime GROUP = 16
-"""Weight rows read together by `_tile_q4_0x16`, one a lane."""
+"""Weight rows read together by the grouped tiles, one a lane."""
+
+
+@always_inline
+def _halves(p: U8Ptr) -> FV:
+    """The 16 float16s at `p`, widened."""
+    return p.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
 
 
 @always_inline
@@ -909,7 +915,7 @@ def _tile_q4_0x16[terms: Int, mt: Int](
         var bp = grp + blk * GB
         comptime for line in range(0, GB, 64):
             prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES + line)
-        var d = bp.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
+        var d = _halves(bp)
         var lo = Array[QV, 4](fill=0)
         var hi = Array[QV, 4](fill=0)
         comptime for j in range(4):
@@ -955,7 +961,7 @@ def _tile_q4_0x16_f32[mt: Int](
     var grp = w + g * nb * GB
     for blk in range(nb):
         var bp = grp + blk * GB
-        var d = bp.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
+        var d = _halves(bp)
         comptime for j in range(4):
             var q = bitcast[DType.uint32, GROUP]((bp + 2 * GROUP + 64 * j).unsafe_load[width=64](0))
             comptime for k in range(4):
@@ -1058,12 +1064,6 @@ comptime AccV[terms: Int] = SIMD[DType.float32 if terms == 0 else DType.int32, 1
 
 
 @always_inline
-def _halves(p: U8Ptr) -> FV:
-    """The 16 float16s at `p`, widened."""
-    return p.unsafe_bitcast[Float16]().unsafe_load[width=GROUP](0).cast[DType.float32]()
-
-
-@always_inline
 def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) -> AccV[terms]:
     """acc[r] += the sum over i < 4 of byte 4r + i of `u` (a column: weight o + i of
     row r) times x[o + i]: one vpdpbusd against x's 4 int8s at `xi` + o, broadcast (or
@@ -1139,7 +1139,8 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     comptime GB = GROUP * block_bytes[fmt]()
     comptime SUB = _sub_elems[fmt]()
     comptime COLS = SUB // 4
-    comptime QOFF = (4 if fmt == Q4_K else 2) * GROUP + (12 if fmt == Q4_K else 16) * GROUP
+    # The rows' d (and dmin) and scales, before the quants (`kernels.FIELDS`).
+    comptime QOFF = GROUP * (16 if fmt == Q4_K else 18)
     # Two sums a row and term where there are few rows, so the dot products do not all
     # wait on one chain.
     comptime P = 2 if mt * T < 4 else 1
