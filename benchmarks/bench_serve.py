@@ -118,7 +118,7 @@ THREADS = os.cpu_count() or 1
 SERVE_ARGS = ("--max-batch-size", "32")
 """How the measured servers run (the RSS servers set their own batch size)."""
 GGUF_SCENARIOS = ("a_single_16", "c_concurrent_8x16", "d_prefill_900")
-"""The scenarios each GGUF type runs: one request, and eight at once."""
+"""The scenarios each GGUF type runs: one request, eight at once, and a 900-token prefill."""
 GGUF_RSS_BATCH_SIZE = 8
 PAIRED_SCENARIO = "a_single_16"
 """The scenario timed against llama.cpp's one-stream tools in every repetition
