@@ -84,11 +84,16 @@ def main() -> None:
         med, best = statistics.median(times), min(times)
         print(f"{encoding:6} {name:9} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
               f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
-    print("The model's kernel for each type on this CPU (layers/kernel_choice.py):")
+    print("The model's kernel for each type on this CPU (layers/kernel_choice.py), for a")
+    print("served request's weights and for those multiplying a few rows a step (a")
+    print("last-token LM head, a draft):")
     for encoding in args.types.split(","):
-        choice = kernel_choice.choice(encoding) if encoding in BLOCK_FLAGS else None
-        print("  " + (choice.describe(encoding) if choice else
-                      f"{encoding} weights: package's kernel (MAX has none for {encoding})"))
+        if encoding not in BLOCK_FLAGS:
+            print(f"  {encoding} weights: package's kernel (MAX has none for {encoding})")
+            continue
+        choice = kernel_choice.choice(encoding)
+        for work in kernel_choice.WORK:
+            print(f"  {choice.describe(encoding, work)}")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ import torch
 from bench_start import cpu_model
 from transformers import GPT2LMHeadModel
 
+from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import (
     hf_greedy,
     hf_on_gguf_weights,
@@ -482,6 +483,9 @@ def print_report(result: dict) -> None:
     gguf = result["gguf"]
     print(f"CPU: {result['cpu_model']}, {result['threads']} threads per engine")
     print_table({"": result["median"], **{t: g["median"] for t, g in gguf.items()}})
+    for t, g in gguf.items():
+        for line in g.get("kernels", []):
+            print(f"{t}: {line}")
     if result.get("llama_tools"):
         print_tool_rows(result)
     print("\ntop-1: fraction of generated tokens that are HF's argmax after the same prefix, "
@@ -571,10 +575,10 @@ def measure_gguf(
     batch size of c."""
     path = gguf_file(checkpoint, file_type)
     reference = hf_on_gguf_weights(hf, path)
+    log = scratch / f"server-{path.stem}.log"
     with (
         llama_cpp(args, checkpoint, file_type) as peer,
-        serve(path, *SERVE_ARGS, devices=args.devices,
-              log=scratch / f"server-{path.stem}.log") as server,
+        serve(path, *SERVE_ARGS, devices=args.devices, log=log) as server,
     ):
         warm_up(server.url)
         runs = [
@@ -587,9 +591,19 @@ def measure_gguf(
     rss = rss_by_batch_size(path, [GGUF_RSS_BATCH_SIZE], args.devices, scratch)
     return {
         "file": path.name, "median": median_table(runs), "runs": runs,
-        "peak_rss_gb": rss[GGUF_RSS_BATCH_SIZE],
+        "kernels": kernel_lines(log), "peak_rss_gb": rss[GGUF_RSS_BATCH_SIZE],
         "llama_tools": llama_tools(path, args.llama_flash_attn) if args.llama_tools else None,
     }
+
+
+def kernel_lines(log: Path) -> list[str]:
+    """The kernel the server gave each packed block type and why, as its log says
+    (`layers/kernel_choice.py`: for the requests' weights, and for those multiplying
+    a few rows a step), once each."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    found = (line.split("Packed ", 1)[-1].split(f"{PACKAGE}: ", 1)[-1] for line in lines
+             if " weights" in line and "'s kernel (" in line)
+    return list(dict.fromkeys(found))
 
 
 def main() -> None:

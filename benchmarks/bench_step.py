@@ -94,7 +94,8 @@ from gpt2_max.shims.internals import gguf_reader
 from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
 from gpt2_max.weights.hugepages import hugepage_array
-from gpt2_max.weights.plan import block_type
+from gpt2_max.weights.plan import WeightPlan, block_type
+from gpt2_max.weights.schema import HEAD_WEIGHT
 
 PROMPT = list(range(2000, 2016))
 
@@ -277,7 +278,12 @@ def model_weights(path: Path) -> tuple[dict[str, Any], Any]:
     reader = gguf_reader(next(iter(state.values())))
     config = huggingface_config(metadata(reader), {t.name for t in reader.tensors})
     converted = convert_gguf_state_dict(state, config)
-    return repack(converted), config
+    return repack(converted, work_of), config
+
+
+def work_of(name: str) -> str:
+    """What the served model (last-token logits) chooses weight `name`'s kernel for."""
+    return WeightPlan(few_rows=frozenset({HEAD_WEIGHT})).work_of(name)
 
 
 def _array(weight: Any) -> np.ndarray:
@@ -327,7 +333,8 @@ def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np
         for name, encoding, has_bias in plan:
             w = next(inputs)
             b = next(inputs) if has_bias else None
-            if encoding is not None and not uses_max_kernel(encoding):
+            work = work_of(f"{name}.weight")
+            if encoding is not None and not uses_max_kernel(encoding, work):
                 y = (kernels.packed_linear(encoding, x, w, b) if b is not None
                      else kernels.packed_matmul(encoding, x, w))
             elif encoding is not None:

@@ -43,6 +43,7 @@ from .names import PACKAGE
 from .tokenizer import GPT2TextTokenizer
 from .weights.formats import check_complete, release
 from .weights.plan import WeightPlan
+from .weights.schema import HEAD_WEIGHT
 
 logger = logging.getLogger("max.pipelines")
 """MAX's pipeline logger: what `max serve` prints."""
@@ -161,10 +162,12 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
         # The fast layers hold each weight as the adapter loaded it; the plain ones
         # cast every weight to the graph's dtype (`Layers.prepare`).
         fast = uses_fast_layers(self.device_refs[0].is_cpu())
+        plan = WeightPlan.of(state_dict) if fast else WeightPlan()
+        if self.return_logits == ReturnLogits.LAST_TOKEN:
+            # The head then multiplies each sequence's last rows alone, prefill or not.
+            plan = dataclasses.replace(plan, few_rows=frozenset({HEAD_WEIGHT}))
         return dataclasses.replace(
-            self.arch_config_as(GPT2ArchConfig),
-            return_logits=self.return_logits,
-            weights=WeightPlan.of(state_dict) if fast else WeightPlan(),
+            self.arch_config_as(GPT2ArchConfig), return_logits=self.return_logits, weights=plan
         )
 
     def _prepare_state_dict(

@@ -35,7 +35,7 @@ from .shims.internals import quantization_encoding
 from .weights.files import tokenizer_files_named
 from .weights.formats import check_complete
 from .weights.plan import WeightPlan
-from .weights.schema import feed_forward_size, ties_word_embeddings
+from .weights.schema import HEAD_WEIGHT, feed_forward_size, ties_word_embeddings
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
 #: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
@@ -202,14 +202,14 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     @property
     def head_weight(self) -> str:
         """The state-dict tensor the LM head multiplies (`wte.weight` when tied)."""
-        return "wte.weight" if self.head_reads_wte else "lm_head.weight"
+        return "wte.weight" if self.head_reads_wte else HEAD_WEIGHT
 
     @property
     def head_reads_wte(self) -> bool:
         """Whether the LM head multiplies by `wte` in place: a tied head does, unless
         the checkpoint gave it the token table packed as `lm_head.weight` (a
         quantized GGUF), which it then multiplies as blocks, as a layer of its own."""
-        return self.tie_word_embeddings and self.weights.encoding("lm_head.weight") is None
+        return self.tie_word_embeddings and self.weights.encoding(HEAD_WEIGHT) is None
 
     def attention_scale(self, layer_idx: int) -> float:
         """The softmax scale of layer `layer_idx`, as transformers' GPT-2 applies it."""

@@ -88,7 +88,7 @@ class FastLayers(Layers):
         encoding = self.config.weights.encoding(weight)
         if encoding is not None:
             return QuantizedLinear(
-                in_dim, out_dim, encoding, bias=bias, work=self.config.weights.work
+                in_dim, out_dim, encoding, bias=bias, work=self.config.weights.work_of(weight)
             )
         return SkinnyLinear(in_dim, out_dim, bias=bias, dtype=self.config.weights.dtype(weight))
 
@@ -99,4 +99,4 @@ class FastLayers(Layers):
         return project(h, table)
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return repack(state_dict, self.config.weights.work)
+        return repack(state_dict, self.config.weights.work_of)

@@ -9,15 +9,19 @@ kernels per CPU"), so the choice is a measurement, not a table or a vendor check
 The first load of such a type on a CPU times both on a chain of GPT-2's MLP
 projections (weights past the L3, as a model's are), at one row (a decode step) and
 at `PREFILL_ROWS` (a prefill chunk), and keeps the kernel that serves a request of
-`REQUEST` tokens sooner. MAX's keeps the type unless the package's is faster by
-more than `MARGIN`, so timing noise does not flip a choice between starts. The
-result is kept in MAX's cache, keyed by the CPU, MAX's version and the kernels'
-sources; later starts, and the other processes of a server, read it.
+`REQUEST` tokens sooner by more than `MARGIN` (`pick`). Where the two serve it
+within the margin, a level the timing noise of one start cannot order, the faster
+decode step decides: a stream's steps after its prefill are decode steps, one row
+each, and those are what a lone request waits on; where that is level too, MAX's
+keeps the type. The result is kept in MAX's cache, keyed by the CPU, MAX's version
+and the kernels' sources; later starts, and the other processes of a server, read it.
 
-One kernel serves every row count of a type, so a request's rows come out the same
-whatever they are batched with. A speculative draft (`speculate/draft.py`) multiplies
-one row a step and nothing it computes is served, so its weights take the kernel with
-the faster decode step of the same measurement (`Choice.kernel_for`, "decode").
+One kernel serves every row count of a weight, so a request's rows come out the same
+whatever they are batched with. A weight that only ever multiplies a few rows takes
+the kernel with the faster decode step of the same measurement (`Choice.kernel_for`,
+"decode"): a speculative draft's (`speculate/draft.py`), which multiplies one row a
+step, and the LM head of a model returning last-token logits, which multiplies each
+sequence's last rows alone, at a prefill as at a decode step (`WeightPlan.work_of`).
 
 `GPT2_MAX_PACKED_KERNEL=max` or `=package` names one instead (tests and benchmarks
 that compare them).
@@ -50,6 +54,7 @@ from ..kernels.package import source_hash
 from ..max_cache import max_cache_dir
 from ..names import PACKAGE
 from ..settings import setting, settings
+from ..weights.hugepages import hugepage_array
 from . import qmatmul
 
 logger = logging.getLogger("max.pipelines")
@@ -63,7 +68,7 @@ prefill and decode shapes of the benchmarks' targets (pp900, tg128)."""
 MARGIN = 1.1
 WORK = ("request", "decode")
 """What a kernel is chosen for: a served model's requests (`REQUEST`'s decode steps and
-prefill chunks), or a draft's one-row steps alone."""
+prefill chunks), or a few rows a step alone (a draft's weights, a last-token head)."""
 LAYERS = 24
 """(768 -> 3072 -> 768) pairs timed: 64 MB of Q4_K, past a 32 MiB L3."""
 D, FF = 768, 3072
@@ -82,14 +87,14 @@ class Choice:
         faster decode step by `MARGIN` (a named kernel for both)."""
         if work == "request" or not self.ms:
             return self.kernel
-        ms = {k: m["decode"] for k, m in self.ms.items()}
-        return "package" if ms["package"] * MARGIN < ms["max"] else "max"
+        step = {k: m["decode"] for k, m in self.ms.items()}
+        return "package" if faster(step["package"], step["max"]) else "max"
 
     def describe(self, encoding: str, work: str = "request") -> str:
         if work == "request" or not self.ms:
             return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
         ms = {k: m["decode"] for k, m in self.ms.items()}
-        return (f"{encoding} weights, one-row steps: {self.kernel_for(work)}'s kernel "
+        return (f"{encoding} weights, few rows a step: {self.kernel_for(work)}'s kernel "
                 f"(decode step {ms['max']:.2f} ms on MAX's, {ms['package']:.2f} on "
                 f"{PACKAGE}'s, {LAYERS} MLPs)")
 
@@ -181,25 +186,48 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
                 model.execute(*buffers)
                 times[k, s].append(time.perf_counter() - start)
     ms = {k: {s: statistics.median(times[k, s]) * 1e3 for s in shapes} for k in KERNELS}
+    return pick(ms)
+
+
+def request_cost(ms: dict[str, float]) -> float:
+    """Milliseconds of `REQUEST` on a kernel whose chain took `ms` ("decode", "prefill")."""
     prompt, generated = REQUEST
-    cost = {k: generated * ms[k]["decode"] + prompt / PREFILL_ROWS * ms[k]["prefill"]
-            for k in KERNELS}
-    kernel = "package" if cost["package"] * MARGIN < cost["max"] else "max"
+    return generated * ms["decode"] + prompt / PREFILL_ROWS * ms["prefill"]
+
+
+def faster(a: float, b: float) -> bool:
+    """Whether `a` milliseconds beat `b` by more than `MARGIN`."""
+    return a * MARGIN < b
+
+
+def pick(ms: dict[str, dict[str, float]]) -> Choice:
+    """The choice the module's docstring describes, from both kernels' chain times."""
+    cost = {k: request_cost(ms[k]) for k in KERNELS}
+    step = {k: ms[k]["decode"] for k in KERNELS}
+    if faster(cost["package"], cost["max"]) or faster(cost["max"], cost["package"]):
+        kernel = min(KERNELS, key=cost.__getitem__)
+        reason = "the request sooner"
+    else:
+        kernel = "package" if faster(step["package"], step["max"]) else "max"
+        reason = ("the request level, the decode step faster" if kernel == "package"
+                  else "the request and the decode step level, MAX's kept")
+    prompt, generated = REQUEST
     why = (f"measured: a {prompt}+{generated}-token request {cost['max']:.0f} ms on MAX's, "
            f"{cost['package']:.0f} ms on {PACKAGE}'s; decode step "
-           f"{ms['max']['decode']:.2f} vs {ms['package']['decode']:.2f} ms, "
+           f"{step['max']:.2f} vs {step['package']:.2f} ms, "
            f"{PREFILL_ROWS}-row prefill {ms['max']['prefill']:.1f} vs "
-           f"{ms['package']['prefill']:.1f} ms, {LAYERS} MLPs")
+           f"{ms['package']['prefill']:.1f} ms, {LAYERS} MLPs: {reason}")
     return Choice(kernel, ms, why)
 
 
 def held(encoding: str, kernel: str, blocks: list[np.ndarray]) -> list[np.ndarray]:
     """GGUF `blocks` of `encoding` laid out as `kernel` reads them: repacked for MAX's
-    (`qmatmul.Repacker`), `kernels.interleave`d for the package's."""
+    (`qmatmul.Repacker`), `kernels.interleave`d for the package's; in huge pages, where
+    the model keeps them (`quantized.repack`), so both kernels stream aligned rows."""
     if kernel == "max":
         repacker = qmatmul.Repacker({encoding})
-        return [repacker(encoding, b) for b in blocks]
-    return [kernels.interleave(encoding, b) for b in blocks]
+        return [hugepage_array(repacker(encoding, b)) for b in blocks]
+    return [hugepage_array(kernels.interleave(encoding, b)) for b in blocks]
 
 
 def chain(encoding: str, kernel: str, weights: list[np.ndarray], *, dot: str = "auto") -> Graph:

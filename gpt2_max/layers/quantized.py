@@ -14,6 +14,7 @@ its kernel's layout at load (`FastLayers.prepare`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -74,17 +75,22 @@ class QuantizedLinear(Module[[Tensor], Tensor]):
         return y + self.bias
 
 
-def repack(state_dict: dict[str, WeightData], work: str = "request") -> dict[str, WeightData]:
+def repack(
+    state_dict: dict[str, WeightData], work_of: Callable[[str], str] = lambda name: "request"
+) -> dict[str, WeightData]:
     """`state_dict` with every packed weight in the layout its kernel reads (MAX's
     repacked, the package's `kernels.interleave`d; unchanged where both are the file's),
     each copied into memory the model keeps, in huge pages as the adapters' copies are
-    (`weights/formats.py`). `work` picks the kernels as `QuantizedLinear`'s does."""
+    (`weights/formats.py`). `work_of(name)` picks the kernels as `QuantizedLinear`'s
+    `work` does (`WeightPlan.work_of`)."""
     bound = {}
-    if work != "request":
-        for kind in sorted({block_type(w) for w in state_dict.values()} & BLOCK_FLAGS):
-            logger.info(f"{PACKAGE}: {choice(kind).describe(kind, work)}")
+    told = set()
     for name, weight in state_dict.items():
         if (kind := block_type(weight)) is not None:
+            work = work_of(name)
+            if work != "request" and kind in BLOCK_FLAGS and (kind, work) not in told:
+                told.add((kind, work))
+                logger.info(f"{PACKAGE}: {choice(kind).describe(kind, work)}")
             on_max = uses_max_kernel(kind, work)
             if on_max or kind in kernels.INTERLEAVED:
                 bound[name] = (weight, kind, on_max)

@@ -59,6 +59,10 @@ class WeightPlan:
     work: str = "request"
     """What the packed weights' kernels are chosen for (`layers.kernel_choice.WORK`):
     a served model's requests, or a speculative draft's one-row steps ("decode")."""
+    few_rows: frozenset[str] = frozenset()
+    """Parameters that multiply a few rows a step whatever the work (a last-token LM
+    head: each sequence's last rows, at a prefill too), whose kernels are chosen for
+    "decode"."""
 
     @classmethod
     def of(cls, state_dict: Mapping[str, Any]) -> WeightPlan:
@@ -72,6 +76,10 @@ class WeightPlan:
                 if packed[name] is None and weight.dtype != DType.float32
             },
         )
+
+    def work_of(self, name: str) -> str:
+        """What parameter `name`'s kernel is chosen for."""
+        return "decode" if name in self.few_rows else self.work
 
     def encoding(self, name: str) -> str | None:
         """The block type parameter `name` is packed in, or None for a float one."""

@@ -19,6 +19,9 @@ PROJECTIONS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """A block's linear layers: `Conv1D` on the hub, the matrices a decode step
 streams, and the ones GGUF files quantize."""
 
+HEAD_WEIGHT = "lm_head.weight"
+"""An untied LM head's matrix, or a tied one a quantized GGUF hands over packed."""
+
 CAUSAL_MASK_BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
 """Constant mask buffers older checkpoints carry; attention masks in-kernel."""
 
@@ -77,7 +80,7 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         }.items():
             shapes[f"h.{i}.{name}"] = shape
     if not ties_word_embeddings(hf_config):
-        shapes["lm_head.weight"] = (vocab, hidden)
+        shapes[HEAD_WEIGHT] = (vocab, hidden)
     return shapes
 
 
@@ -119,7 +122,7 @@ def match_tensors(
     expected = expected_shapes(hf_config)
     matched = []
     for key, name, shape in found:
-        if name == "lm_head.weight" and name not in expected:
+        if name == HEAD_WEIGHT and name not in expected:
             continue
         if name not in expected:
             raise CheckpointError(f"unexpected tensor {key!r}: not a {foreign}.")
@@ -132,7 +135,7 @@ def match_tensors(
     loaded = {name for _, name in matched}
     if missing := [name for name in expected if name not in loaded]:
         why = ""
-        if missing == ["lm_head.weight"]:
+        if missing == [HEAD_WEIGHT]:
             why = (" The config sets tie_word_embeddings to false, so the head is a tensor"
                    " of its own; a checkpoint saved tied loads with the config's default.")
         raise CheckpointError(

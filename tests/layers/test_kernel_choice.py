@@ -3,7 +3,9 @@ and read back; and both kernels exact on every type MAX's covers, whichever wins
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,8 +16,11 @@ from max.engine import InferenceSession
 from gpt2_max.encodings import BLOCK_FLAGS
 from gpt2_max.gguf.quants import quantize
 from gpt2_max.layers import kernel_choice
+from gpt2_max.layers.fast import FastLayers
 from gpt2_max.layers.kernel_choice import KERNEL_ENV, Choice, choice, uses_max_kernel
 from gpt2_max.settings import settings
+from gpt2_max.weights.plan import WeightPlan
+from gpt2_max.weights.schema import HEAD_WEIGHT
 from tests.kernels.test_kquant import float_atol, int8_atol
 
 pytestmark = pytest.mark.tier("unit")
@@ -66,11 +71,11 @@ def test_a_measurement_is_kept_per_type_and_read_back_by_later_starts(fresh, mon
 def test_a_draft_takes_the_faster_decode_step_and_a_named_kernel_for_both(fresh, monkeypatch):
     """A draft's one-row steps weigh the decode figures alone: MAX's kernel serves the
     request sooner here, the package's steps one row faster by more than the margin."""
-    ms = {"max": {"decode": 5.4, "prefill": 35.0}, "package": {"decode": 4.8, "prefill": 100.0}}
+    ms = chains((5.4, 35.0), (4.8, 100.0))
     monkeypatch.setattr(kernel_choice, "measure", lambda e: Choice("max", ms, "timed"))
     assert uses_max_kernel("q4_0") and not uses_max_kernel("q4_0", "decode")
-    assert "one-row steps: package's kernel" in choice("q4_0").describe("q4_0", "decode")
-    near = {"max": {"decode": 5.0, "prefill": 35.0}, "package": {"decode": 4.8, "prefill": 99.0}}
+    assert "few rows a step: package's kernel" in choice("q4_0").describe("q4_0", "decode")
+    near = chains((5.0, 35.0), (4.8, 99.0))
     assert Choice("max", near, "timed").kernel_for("decode") == "max"  # within the margin
     monkeypatch.setenv(KERNEL_ENV, "max")
     choice.cache_clear()
@@ -78,17 +83,61 @@ def test_a_draft_takes_the_faster_decode_step_and_a_named_kernel_for_both(fresh,
     assert uses_max_kernel("q4_0", "decode")
 
 
+def chains(max_ms: tuple[float, float], package_ms: tuple[float, float]) -> dict:
+    """Both kernels' chain times, (decode, prefill) milliseconds each."""
+    return {k: dict(zip(("decode", "prefill"), v, strict=True))
+            for k, v in (("max", max_ms), ("package", package_ms))}
+
+
+@pytest.mark.parametrize(("max_ms", "package_ms", "kernel", "reason"), [
+    # A request of 900 + 128 tokens: 128 decode steps, 900 / 64 prefill chunks.
+    ((4.0, 30.0), (3.0, 45.0), "package", "the request level, the decode step faster"),
+    ((4.0, 30.0), (3.8, 31.0), "max", "the request and the decode step level, MAX's kept"),
+    ((4.0, 30.0), (3.0, 60.0), "max", "the request sooner"),
+    ((6.0, 40.0), (4.0, 40.0), "package", "the request sooner"),
+])
+def test_the_request_decides_and_where_it_is_level_the_decode_step(
+    max_ms, package_ms, kernel, reason
+):
+    picked = kernel_choice.pick(chains(max_ms, package_ms))
+    assert picked.kernel == kernel
+    assert picked.why.endswith(reason)
+
+
+def test_a_last_token_head_takes_the_few_rows_kernel_and_the_rest_the_requests(
+    fresh, monkeypatch
+):
+    """MAX's kernel serves the request sooner here, the package's steps a few rows
+    faster: the blocks' projections take MAX's, a last-token head the package's."""
+    ms = chains((5.4, 35.0), (4.8, 100.0))
+    monkeypatch.setattr(kernel_choice, "measure", lambda e: Choice("max", ms, "timed"))
+    plan = WeightPlan(packed={"h.0.mlp.c_fc.weight": "q6_k", HEAD_WEIGHT: "q6_k"})
+    config = SimpleNamespace(weights=dataclasses.replace(plan, few_rows={HEAD_WEIGHT}))
+    layers = FastLayers(config)
+    assert layers.linear("h.0.mlp.c_fc", 768, 3072).max_kernel
+    assert not layers.linear("lm_head", 768, 50257, bias=False).max_kernel
+    config.weights = plan  # every row's logits (echo): the head multiplies a prefill too
+    assert layers.linear("lm_head", 768, 50257, bias=False).max_kernel
+
+
 @pytest.mark.tier("model")
-def test_the_measurement_picks_the_kernel_that_serves_the_request_sooner():
+def test_the_measurement_picks_by_the_request_then_the_decode_step():
     picked = kernel_choice.measure("q4_0", rounds=1)
     cost = {
         k: kernel_choice.REQUEST[1] * ms["decode"]
         + kernel_choice.REQUEST[0] / kernel_choice.PREFILL_ROWS * ms["prefill"]
         for k, ms in picked.ms.items()
     }
+    step = {k: ms["decode"] for k, ms in picked.ms.items()}
     assert set(cost) == {"max", "package"} and all(c > 0 for c in cost.values())
-    package_wins = cost["package"] * kernel_choice.MARGIN < cost["max"]
-    assert picked.kernel == ("package" if package_wins else "max")
+    margin = kernel_choice.MARGIN
+    if cost["package"] * margin < cost["max"]:
+        expected = "package"
+    elif cost["max"] * margin < cost["package"]:
+        expected = "max"
+    else:
+        expected = "package" if step["package"] * margin < step["max"] else "max"
+    assert picked.kernel == expected
     assert "measured" in picked.why
 
 

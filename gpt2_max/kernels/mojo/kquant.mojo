@@ -43,6 +43,8 @@ from std.memory import bitcast
 from std.sys import CompilationTarget
 from std.sys.intrinsics import PrefetchOptions, llvm_intrinsic, prefetch
 
+from max.algorithm import sync_parallelize
+
 from .skinny import CHUNK_ROWS, MC, CpuCtx, F32Ptr, share_passes
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
@@ -491,57 +493,100 @@ def _x8_offset[fmt: Int](j: Int) -> Int:
         return 128 * (sb // 4) + 64 * (r % 2) + 32 * (r // 2) + 16 * (j % 2)
 
 
+comptime X8_SHARED_BLOCKS = 64
+"""Blocks of x (of 256 values) from which `_X8` rounds them on every task."""
+
+
 struct _X8[fmt: Int, terms: Int]:
     """x[M, K] rounded to int8 per block of 256 (`q`, [M, K], chunks in `_x8_offset`'s
     order), the blocks' scales (`d`, [M, K / 256]) and each sub-block's sum of the
     rounded x (`sums`, [M, K / sub]). With `terms` 2, `lo` ([M, K]) rounds what is left,
     x - d q, on the step d / 254, so that x ~ d (q + lo / 254) to about 2^-16 of the
-    block's largest."""
+    block's largest. For Q6_K, `offsets` ([M, K / 16, terms]) is -32 times each
+    sub-block's sum of each term's integers, where the grouped tiles start its integer
+    sums: Q6_K's values are q - 32, and the offset's share then costs nothing per row."""
 
     var q: I8Ptr
     var lo: I8Ptr
     var d: F32Ptr
     var sums: F32Ptr
+    var offsets: I32Ptr
 
-    def __init__(out self, x: F32Ptr, M: Int, K: Int):
+    def __init__(
+        out self, x: F32Ptr, M: Int, K: Int, ntasks: Int = 1, ctx: Optional[CpuCtx] = None
+    ) raises:
         comptime SUB = _sub_elems[Self.fmt]()
         var nb = M * K // 256
         self.q = alloc[Int8](max(M * K, 1), alignment=64)
         self.lo = alloc[Int8](max(M * K, 1) if Self.terms == 2 else 1, alignment=64)
         self.d = alloc[Float32](max(nb, 1), alignment=64)
         self.sums = alloc[Float32](max(M * K // SUB, 1), alignment=64)
-        for r in range(nb):
-            var src = x + 256 * r
-            var amax = FV(0)
-            comptime for j in range(16):
-                amax = max(amax, abs(src.unsafe_load[width=16](16 * j)))
-            var top = amax.reduce_max()
-            var d = top / 127
-            var inv = Float32(127) / top if top > 0 else Float32(0)
-            self.d.unsafe_store(r, d)
-            var pair = Float32(0)
-            comptime for j in range(16):
-                var v = src.unsafe_load[width=16](16 * j)
-                var q = round(v * inv)
-                var o = 256 * r + _x8_offset[Self.fmt](j)
-                (self.q + o).unsafe_store(0, q.cast[DType.int8]())
-                var s = q.reduce_add() * d
-                comptime if Self.terms == 2:
-                    var lo = round((v - q * d) * (inv * 254))
-                    (self.lo + o).unsafe_store(0, lo.cast[DType.int8]())
-                    s += lo.reduce_add() * (d / 254)
-                comptime if SUB == 16:
-                    self.sums.unsafe_store(16 * r + j, s)
-                elif j % 2 == 0:
-                    pair = s
-                else:
-                    self.sums.unsafe_store(8 * r + j // 2, pair + s)
+        self.offsets = alloc[Int32](
+            max(M * K // SUB * Self.terms, 1) if Self.fmt == Q6_K else 1, alignment=64
+        )
+        var q = self.q
+        var lo = self.lo
+        var ds = self.d
+        var sums = self.sums
+        var offsets = self.offsets
+
+        def rows(t: Int) {imm x, imm nb, imm ntasks, imm q, imm lo, imm ds, imm sums, imm offsets}:
+            for r in range(t * nb // ntasks, (t + 1) * nb // ntasks):
+                _X8[Self.fmt, Self.terms]._round(x, r, q, lo, ds, sums, offsets)
+
+        # A prefill's rows are rounded by every task (a step's few rows are not worth
+        # waking them for): one thread rounding them left the others waiting.
+        if ntasks > 1 and nb >= X8_SHARED_BLOCKS:
+            sync_parallelize(rows, ntasks, ctx)
+        else:
+            for r in range(nb):
+                Self._round(x, r, q, lo, ds, sums, offsets)
+
+    @staticmethod
+    @always_inline
+    def _round(
+        x: F32Ptr, r: Int, q8: I8Ptr, lo8: I8Ptr, ds: F32Ptr, sums: F32Ptr, offsets: I32Ptr
+    ):
+        """Block r: its scale, its int8s (and remainders), its sub-blocks' sums."""
+        comptime SUB = _sub_elems[Self.fmt]()
+        var src = x + 256 * r
+        var amax = FV(0)
+        comptime for j in range(16):
+            amax = max(amax, abs(src.unsafe_load[width=16](16 * j)))
+        var top = amax.reduce_max()
+        var d = top / 127
+        var inv = Float32(127) / top if top > 0 else Float32(0)
+        ds.unsafe_store(r, d)
+        var pair = Float32(0)
+        comptime for j in range(16):
+            var v = src.unsafe_load[width=16](16 * j)
+            var q = round(v * inv)
+            var o = 256 * r + _x8_offset[Self.fmt](j)
+            (q8 + o).unsafe_store(0, q.cast[DType.int8]())
+            var s = q.reduce_add() * d
+            comptime if Self.fmt == Q6_K:
+                var at = (16 * r + j) * Self.terms
+                offsets.unsafe_store(at, (q.reduce_add() * -32).cast[DType.int32]())
+            comptime if Self.terms == 2:
+                var lo = round((v - q * d) * (inv * 254))
+                (lo8 + o).unsafe_store(0, lo.cast[DType.int8]())
+                s += lo.reduce_add() * (d / 254)
+                comptime if Self.fmt == Q6_K:
+                    var at = (16 * r + j) * 2 + 1
+                    offsets.unsafe_store(at, (lo.reduce_add() * -32).cast[DType.int32]())
+            comptime if SUB == 16:
+                sums.unsafe_store(16 * r + j, s)
+            elif j % 2 == 0:
+                pair = s
+            else:
+                sums.unsafe_store(8 * r + j // 2, pair + s)
 
     def free(self):
         self.q.free()
         self.lo.free()
         self.d.free()
         self.sums.free()
+        self.offsets.free()
 
 
 @always_inline
@@ -647,7 +692,7 @@ def _packed_vnni[terms: Int](
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
     """Q5_K through 8-bit integer dot products, `terms` of x."""
-    var xq = _X8[Q5_K, terms](x, M, K)
+    var xq = _X8[Q5_K, terms](x, M, K, ntasks, ctx)
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         var m0 = m_begin
@@ -1049,7 +1094,9 @@ def _packed_q4_0x16[terms: Int](
 # broadcast), scaled by the rows' integer scales in one float FMA; per block,
 #     y += d dx sum_j sc_j I_j + sum_j c_j s_j
 # with s_j the sub-block's sum of rounded x (`_X8.sums`) and c_j = -dmin m_j (Q4_K) or
-# -32 d sc_j (Q6_K, whose values are d sc (q - 32)). With `terms` 0 the same sums are
+# -32 d sc_j (Q6_K, whose values are d sc (q - 32); on the integer paths its I_j start
+# at -32 times the sub-block's integers instead, `_X8.offsets`, which saves an FMA per
+# row and sub-block). With `terms` 0 the same sums are
 # taken in float32 over x as it is. No bookkeeping is per row: a row's dot product is
 # a lane, so a decode step spends its instructions on the dot products, where a row at
 # a time (`_tile_vnni`) spent as many again on each row's sums and scales.
@@ -1081,48 +1128,52 @@ def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) ->
         return rebind[AccV[terms]](_dot_u8[Q4_K](rebind[IV](acc), u, xb))
 
 
+comptime KX16_STEP[fmt: Int] = 16 if fmt == Q6_K else 2
+"""Sub-blocks a grouped tile takes per trip of its loop over a block: Q4_K's two of a
+pair (the loop's body then fits the decoded-instruction cache, where its eight
+sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen unrolled
+(the shifts that rebuild its columns then fixed; per pair they cost more than the
+cache saves)."""
+
+
 @always_inline
-def _kx16_col[fmt: Int, j: Int, k: Int](q: U8Ptr) -> QV:
-    """Column k of sub-block j (weights `_sub_elems` j + 4k .. +3 of the 16 rows, one a
-    32-bit lane) from the quants at `q`. Q4_K: vector k of pair j / 2, its low (even j)
-    or high nibbles. Q6_K: column c = 4j + k is c % 16 = u's L1 (c / 16 = 0, 2) or L2
-    (1, 3), low or high nibble, with bits 2 (c / 16) of u's H above them."""
+def _kx16_col[fmt: Int, jj: Int, k: Int](q: U8Ptr, j0: Int) -> QV:
+    """Column k of sub-block j = j0 + jj (j0 a multiple of `KX16_STEP`; weights
+    `_sub_elems` j + 4k .. +3 of the 16 rows, one a 32-bit lane) from the quants at `q`.
+    Q4_K: vector k of pair j / 2, its low (even j) or high nibbles. Q6_K: column
+    c = 4j + k is c % 16 = u's L1 (c / 16 = 0, 2) or L2 (1, 3), low or high nibble,
+    with bits 2 (c / 16) of u's H above them (shifted in 16-bit lanes: no bit the
+    masks keep crosses a byte)."""
     comptime if fmt == Q4_K:
-        var v = (q + 512 * (j // 2) + 64 * k).unsafe_load[width=64](0)
-        comptime if j % 2 == 0:
+        var v = (q + 512 * (j0 // 2 + jj // 2) + 64 * k).unsafe_load[width=64](0)
+        comptime if jj % 2 == 0:
             return v & 0xF
         else:
             return v >> 4
     else:
-        comptime a = j // 4
-        comptime u = 4 * (j % 4) + k
-        var l = (q + 192 * u + 64 * (a % 2)).unsafe_load[width=64](0)
-        var h = (q + 192 * u + 128).unsafe_load[width=64](0)
-        var low = (l >> UInt8(4 * (a // 2))) & 0xF
-        comptime if a == 0:
-            return low | ((h << 4) & 0x30)
-        elif a == 1:
-            return low | ((h << 2) & 0x30)
-        elif a == 2:
-            return low | (h & 0x30)
-        else:
-            return low | ((h >> 2) & 0x30)
+        var j = j0 + jj
+        var a = j // 4
+        var u = 4 * (j % 4) + k
+        var l = bitcast[DType.uint16, 32]((q + 192 * u + 64 * (a % 2)).unsafe_load[width=64](0))
+        var h = bitcast[DType.uint16, 32]((q + 192 * u + 128).unsafe_load[width=64](0))
+        var low = (l >> UInt16(4 * (a // 2))) & 0x0F0F
+        return bitcast[DType.uint8, 64](low | (((h >> UInt16(2 * a)) << 4) & 0x3030))
 
 
 @always_inline
-def _kx16_scale[fmt: Int, j: Int](bp: U8Ptr) -> Tuple[FV, FV]:
+def _kx16_scale[fmt: Int](bp: U8Ptr, j: Int) -> Tuple[FV, FV]:
     """Sub-block j's (sc_j, m_j) of the 16 rows as float32: Q4_K's 6-bit scale and min
     (see `_scales_mins_k4`, one row a lane), Q6_K's int8 scale (and no min)."""
     comptime if fmt == Q4_K:
         var p = bp + 4 * GROUP  # byte i of the 12 at p + 16 i, one row a lane
         var a = (p + GROUP * (j % 4)).unsafe_load[width=GROUP](0)
         var m = (p + GROUP * (j % 4 + 4)).unsafe_load[width=GROUP](0)
-        comptime if j < 4:
-            return ((a & 63).cast[DType.float32](), (m & 63).cast[DType.float32]())
-        var c = (p + GROUP * (j + 4)).unsafe_load[width=GROUP](0)
+        var c = (p + GROUP * (j % 4 + 8)).unsafe_load[width=GROUP](0)
+        # Sub-blocks 4-7 take their low 4 bits from c and the top 2 from a's and m's.
+        var high = j >= 4
         return (
-            ((c & 0xF) | ((a >> 6) << 4)).cast[DType.float32](),
-            ((c >> 4) | ((m >> 6) << 4)).cast[DType.float32](),
+            (((c & 0xF) | ((a >> 6) << 4)) if high else (a & 63)).cast[DType.float32](),
+            (((c >> 4) | ((m >> 6) << 4)) if high else (m & 63)).cast[DType.float32](),
         )
     else:
         var sc = (bp + 2 * GROUP + GROUP * j).unsafe_bitcast[Int8]().unsafe_load[width=GROUP](0)
@@ -1144,6 +1195,9 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     # Two sums a row and term where there are few rows, so the dot products do not all
     # wait on one chain.
     comptime P = 2 if mt * T < 4 else 1
+    # Q6_K's offset starts the integer sums (`_X8.offsets`); Q4_K's mins, and the
+    # float32 path's offset, are added per sub-block below.
+    comptime OFFSET_INIT = fmt == Q6_K and terms > 0
     var nb = K // 256
     var acc = Array[FV, mt](fill=0)
     var grp = w + g * nb * GB
@@ -1152,46 +1206,56 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
         var q = bp + QOFF
         var d = _halves(bp)
         var scaled = Array[FV, mt * T](fill=0)
-        var mins = Array[FV, mt](fill=0)
-        comptime for j in range(256 // SUB):
-            comptime STRIDE = GB * SUB // 256
-            comptime for line in range(0, STRIDE, 64):
-                prefetch[PrefetchOptions().for_read().medium_locality()](
-                    bp + GROUP_PREFETCH + STRIDE * j + line
-                )
-            var sums = Array[AccV[terms], mt * T * P](fill=0)
-            comptime for k in range(COLS):
-                var col = _kx16_col[fmt, j, k](q)
+        for j0 in range(0, 256 // SUB, KX16_STEP[fmt]):
+            comptime for jj in range(KX16_STEP[fmt]):
+                var j = j0 + jj
+                comptime STRIDE = GB * SUB // 256
+                comptime for line in range(0, STRIDE, 64):
+                    prefetch[PrefetchOptions().for_read().medium_locality()](
+                        bp + GROUP_PREFETCH + STRIDE * j + line
+                    )
+                var sums = Array[AccV[terms], mt * T * P](fill=0)
+                comptime if OFFSET_INIT:
+                    comptime for i in range(mt):
+                        comptime for t in range(T):
+                            var at = (((m0 + i) * nb + blk) * 16 + j) * T + t
+                            sums[(i * T + t) * P] = AccV[terms](
+                                rebind[Scalar[AccV[terms].dtype]](xq.offsets.unsafe_load(at))
+                            )
+                comptime for k in range(COLS):
+                    var col = _kx16_col[fmt, jj, k](q, j0)
+                    comptime for i in range(mt):
+                        var o = (m0 + i) * K + 256 * blk + SUB * j + 4 * k
+                        comptime for t in range(T):
+                            comptime a = (i * T + t) * P + k % P
+                            sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
+                var sm = _kx16_scale[fmt](bp, j)
                 comptime for i in range(mt):
-                    var o = (m0 + i) * K + 256 * blk + SUB * j + 4 * k
                     comptime for t in range(T):
-                        comptime a = (i * T + t) * P + k % P
-                        sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
-            var sm = _kx16_scale[fmt, j](bp)
-            # Each sub-block's sum of x, times its coefficient (see above).
-            var coeff: FV
-            comptime if fmt == Q4_K:
-                coeff = -_halves(bp + 2 * GROUP) * sm[1]
-            else:
-                coeff = -32 * d * sm[0]
-            comptime for i in range(mt):
-                comptime for t in range(T):
-                    var s = sums[(i * T + t) * P]
-                    comptime if P == 2:
-                        s += sums[(i * T + t) * P + 1]
-                    scaled[i * T + t] = fma(s.cast[DType.float32](), sm[0], scaled[i * T + t])
-                var xs: Float32
-                comptime if terms == 0:
-                    xs = (x + (m0 + i) * K + 256 * blk + SUB * j).unsafe_load[width=SUB](0).reduce_add()
-                else:
-                    xs = xq.sums.unsafe_load(((m0 + i) * nb + blk) * (256 // SUB) + j)
-                mins[i] = fma(coeff, FV(xs), mins[i])
+                        var s = sums[(i * T + t) * P]
+                        comptime if P == 2:
+                            s += sums[(i * T + t) * P + 1]
+                        scaled[i * T + t] = fma(s.cast[DType.float32](), sm[0], scaled[i * T + t])
+                comptime if not OFFSET_INIT:
+                    # Each sub-block's sum of x, times its coefficient (see above).
+                    var coeff: FV
+                    comptime if fmt == Q4_K:
+                        coeff = -_halves(bp + 2 * GROUP) * sm[1]
+                    else:
+                        coeff = -32 * d * sm[0]
+                    comptime for i in range(mt):
+                        var xs: Float32
+                        comptime if terms == 0:
+                            xs = (x + (m0 + i) * K + 256 * blk + SUB * j).unsafe_load[width=SUB](0).reduce_add()
+                        else:
+                            xs = xq.sums.unsafe_load(((m0 + i) * nb + blk) * (256 // SUB) + j)
+                        acc[i] = fma(coeff, FV(xs), acc[i])
         comptime for i in range(mt):
             var s = scaled[i * T]
             comptime if T == 2:
                 s = fma(scaled[i * T + 1], FV(1.0 / 254), s)
             var dx = xq.d.unsafe_load((m0 + i) * nb + blk) if terms else Float32(1)
-            acc[i] = fma(s, d * dx, acc[i] + mins[i])
+            acc[i] = fma(s, d * dx, acc[i])
     comptime for i in range(mt):
         var s = acc[i]
         if has_bias:
@@ -1209,7 +1273,7 @@ def _packed_kx16[fmt: Int, terms: Int](
     # Input rows per tile: each column is rebuilt once per tile, so a prefill wants a
     # tall one; 8 sums of one term, or 4 of two, still fit the registers.
     comptime KMT = 8 // T
-    var xq = _X8[fmt, T](x, M if terms else 0, K)
+    var xq = _X8[fmt, T](x, M if terms else 0, K, ntasks, ctx)
 
     def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         var m0 = m_begin
