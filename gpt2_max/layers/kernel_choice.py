@@ -87,8 +87,7 @@ class Choice:
         faster decode step by `MARGIN` (a named kernel for both)."""
         if work == "request" or not self.ms:
             return self.kernel
-        step = {k: m["decode"] for k, m in self.ms.items()}
-        return "package" if faster(step["package"], step["max"]) else "max"
+        return decode_kernel(self.ms)
 
     def describe(self, encoding: str, work: str = "request") -> str:
         if work == "request" or not self.ms:
@@ -200,6 +199,11 @@ def faster(a: float, b: float) -> bool:
     return a * MARGIN < b
 
 
+def decode_kernel(ms: dict[str, dict[str, float]]) -> str:
+    """The kernel whose decode step is faster by `MARGIN`, else MAX's."""
+    return "package" if faster(ms["package"]["decode"], ms["max"]["decode"]) else "max"
+
+
 def pick(ms: dict[str, dict[str, float]]) -> Choice:
     """The choice the module's docstring describes, from both kernels' chain times."""
     cost = {k: request_cost(ms[k]) for k in KERNELS}
@@ -208,7 +212,7 @@ def pick(ms: dict[str, dict[str, float]]) -> Choice:
         kernel = min(KERNELS, key=cost.__getitem__)
         reason = "the request sooner"
     else:
-        kernel = "package" if faster(step["package"], step["max"]) else "max"
+        kernel = decode_kernel(ms)
         reason = ("the request level, the decode step faster" if kernel == "package"
                   else "the request and the decode step level, MAX's kept")
     prompt, generated = REQUEST

@@ -530,17 +530,18 @@ struct _X8[fmt: Int, terms: Int]:
         var sums = self.sums
         var offsets = self.offsets
 
-        def rows(t: Int) {imm x, imm nb, imm ntasks, imm q, imm lo, imm ds, imm sums, imm offsets}:
-            for r in range(t * nb // ntasks, (t + 1) * nb // ntasks):
-                _X8[Self.fmt, Self.terms]._round(x, r, q, lo, ds, sums, offsets)
-
         # A prefill's rows are rounded by every task (a step's few rows are not worth
         # waking them for): one thread rounding them left the others waiting.
-        if ntasks > 1 and nb >= X8_SHARED_BLOCKS:
-            sync_parallelize(rows, ntasks, ctx)
-        else:
-            for r in range(nb):
+        var tasks = ntasks if nb >= X8_SHARED_BLOCKS else 1
+
+        def rows(t: Int) {imm x, imm nb, imm tasks, imm q, imm lo, imm ds, imm sums, imm offsets}:
+            for r in range(t * nb // tasks, (t + 1) * nb // tasks):
                 Self._round(x, r, q, lo, ds, sums, offsets)
+
+        if tasks > 1:
+            sync_parallelize(rows, tasks, ctx)
+        else:
+            rows(0)
 
     @staticmethod
     @always_inline
