@@ -85,8 +85,8 @@ def main() -> None:
         print(f"{encoding:6} {name:9} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
               f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
     print("The model's kernel for each type on this CPU (layers/kernel_choice.py), for a")
-    print("served request's weights and for those multiplying a few rows a step (a")
-    print("last-token LM head, a draft):")
+    print("served request's weights, for those multiplying a few rows a step (a")
+    print("last-token LM head, a draft) and for a block's projections:")
     for encoding in args.types.split(","):
         if encoding not in BLOCK_FLAGS:
             print(f"  {encoding} weights: package's kernel (MAX has none for {encoding})")

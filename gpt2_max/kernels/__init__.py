@@ -158,12 +158,17 @@ def paged_attention(
 def decoder_block(
     x: Any, ln_1: Any, c_attn: Any, c_proj: Any, ln_2: Any, c_fc: Any, mlp_proj: Any,
     input_row_offsets: Any, kv_collection: Any, layer_idx: Any, scale: float, head_dim: int,
+    *, encodings: tuple[str | None, ...] = (None,) * 4, dot: str = "auto",
 ) -> Tensor:
     """One GPT-2 block, `h = x + attn(ln_1(x))` then `h + mlp(ln_2(h))` with a tanh GELU,
     as one op (see `mojo/block.mojo`); the step's keys and values go into layer
     `layer_idx` of the paged cache. `ln_1` is `(weight, bias, eps)`, `ln_2`
     `(weight, bias)` normalized with the same eps (GPT-2 has one), the projections
-    `(weight, bias)` with `[out, in]` weights of one dtype (float32 or float16)."""
+    `(weight, bias)`: `[out, in]` float weights of one dtype (float32 or float16), or,
+    where `encodings` names the four projections' GGUF block types, their blocks as
+    `interleave` lays them out, multiplied as `packed_linear` does with `dot`."""
+    if len({e is None for e in encodings}) != 1:
+        raise ValueError(f"a block's projections are all float or all packed, not {encodings}")
     cpu = DeviceRef.CPU()
     out = TensorType(DType.float32, list(x.shape), DeviceRef.from_device(x.device))
     values = [
@@ -175,7 +180,13 @@ def decoder_block(
     ]
     return F.inplace_custom(
         "gpt2_decoder_block", x.device, values, [out],
-        parameters={"head_dim": head_dim, "max_rows": SKINNY_MAX_ROWS},
+        parameters={
+            "head_dim": head_dim, "max_rows": SKINNY_MAX_ROWS, "dot": DOTS[dot],
+            **{
+                f"f_{name}": KERNEL_TYPES[e] if e else 0
+                for name, e in zip(("qkv", "o", "fc", "p"), encodings, strict=True)
+            },
+        },
         custom_extensions=[compiled_package(MOJO_PACKAGE)],
     )[0]
 

@@ -6,8 +6,9 @@ GGUF blocks a `QuantizedLinear`, float matrices (float32 or float16) a
 tied head go through `linear.project`, which streams the weights through the
 skinny Mojo kernel at decode sizes and uses MAX's matmul for float32 prefills.
 Attention is the package's op over the paged cache (`PackageAttention`). A block
-whose projections are float is a `FusedBlock`, one op, which saves MAX's cost
-between ops at every decode step (`docs/performance.md`, "One op a block").
+whose projections are float, or all packed on the package's kernel, is a `FusedBlock`,
+one op, which saves MAX's cost between ops at every decode step
+(`docs/performance.md`, "One op a block").
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from max.experimental.tensor import Tensor
 from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
+from ..encodings import KERNEL_TYPES
 from ..settings import settings
-from ..weights.schema import PROJECTIONS
+from ..weights.schema import PROJECTIONS, block_index
 from . import Layers
 from .attention import GPT2Attention
 from .block import GPT2Block
 from .embedding import Embedding
+from .kernel_choice import uses_max_kernel
 from .linear import SkinnyLinear, project
 from .quantized import QuantizedLinear, repack
 
@@ -53,13 +56,13 @@ class FusedBlock(GPT2Block):
     ) -> Tensor:
         attn, mlp = self.attn, self.mlp
         layer_idx = F.constant(attn.layer_idx, DType.uint32, device=CPU())
-        c_attn, c_proj, c_fc, mlp_proj = (
-            (p.weight, p.bias) for p in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
-        )
+        projections = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+        c_attn, c_proj, c_fc, mlp_proj = ((p.weight, p.bias) for p in projections)
         return kernels.decoder_block(
             x, (self.ln_1.weight, self.ln_1.bias, self.ln_1.eps), c_attn, c_proj,
             (self.ln_2.weight, self.ln_2.bias), c_fc, mlp_proj,
             input_row_offsets, kv_collection, layer_idx, attn.scale, attn.head_dim,
+            encodings=tuple(getattr(p, "encoding", None) for p in projections),
         )
 
 
@@ -67,18 +70,37 @@ class FastLayers(Layers):
     """The modules for the weights as loaded, through this package's kernels."""
 
     def block(self, layer_idx: int) -> GPT2Block:
-        """A `FusedBlock` where the op covers the block: float projections of one dtype
-        (each with its bias), a tanh GELU, float32 LayerNorms; else the modules."""
+        return (FusedBlock if self.fuses(layer_idx) else GPT2Block)(self.config, self, layer_idx)
+
+    def fuses(self, layer_idx: int) -> bool:
+        """Whether block `layer_idx` is a `FusedBlock`, which the op covers: a tanh GELU,
+        float32 LayerNorms, and projections (each with its bias) either float of one
+        dtype or all packed in types the package's kernel multiplies and takes for a
+        block on this CPU (`kernel_choice.WORK`, "block")."""
         config = self.config
+        weights = config.weights
         names = [f"h.{layer_idx}.{p}.weight" for p in PROJECTIONS]
-        fused = (
-            settings().fuse_blocks
+        encodings = [weights.encoding(name) for name in names]
+        if not any(encodings):
+            covered = len({weights.dtype(name) for name in names}) == 1
+        else:
+            covered = all(
+                e in KERNEL_TYPES and not uses_max_kernel(e, "block") for e in encodings
+            )
+        return (
+            covered
+            and settings().fuse_blocks
             and config.activation == "gelu_tanh"
             and config.dtype == DType.float32
-            and not any(config.weights.encoding(name) for name in names)
-            and len({config.weights.dtype(name) for name in names}) == 1
         )
-        return (FusedBlock if fused else GPT2Block)(config, self, layer_idx)
+
+    def work_of(self, weight: str) -> str:
+        """What packed `weight`'s kernel is chosen for (`kernel_choice.WORK`): "block" in
+        a `FusedBlock`, whose op multiplies it with the package's kernel; else as the
+        weights plan says."""
+        if (layer := block_index(weight)) is not None and self.fuses(layer):
+            return "block"
+        return self.config.weights.work_of(weight)
 
     def attention(self, layer_idx: int) -> GPT2Attention:
         return PackageAttention(self.config, self, layer_idx)
@@ -87,9 +109,7 @@ class FastLayers(Layers):
         weight = f"{name}.weight"
         encoding = self.config.weights.encoding(weight)
         if encoding is not None:
-            return QuantizedLinear(
-                in_dim, out_dim, encoding, bias=bias, work=self.config.weights.work_of(weight)
-            )
+            return QuantizedLinear(in_dim, out_dim, encoding, bias=bias, work=self.work_of(weight))
         return SkinnyLinear(in_dim, out_dim, bias=bias, dtype=self.config.weights.dtype(weight))
 
     def embedding(self, name: str, rows: int, dim: int) -> nn.Module:
@@ -99,4 +119,4 @@ class FastLayers(Layers):
         return project(h, table)
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return repack(state_dict, self.config.weights.work_of)
+        return repack(state_dict, self.work_of)

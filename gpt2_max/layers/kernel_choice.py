@@ -66,9 +66,13 @@ REQUEST = (900, 128)
 """(prompt, generated) tokens of the request the two kernels are weighed on: the
 prefill and decode shapes of the benchmarks' targets (pp900, tg128)."""
 MARGIN = 1.1
-WORK = ("request", "decode")
+WORK = ("request", "decode", "block")
 """What a kernel is chosen for: a served model's requests (`REQUEST`'s decode steps and
-prefill chunks), or a few rows a step alone (a draft's weights, a last-token head)."""
+prefill chunks), a few rows a step alone (a draft's weights, a last-token head), or a
+block's projections, which run as one op (`layers.fast.FusedBlock`, the package's
+kernel inside it) unless MAX's kernel serves the request sooner by `MARGIN`: where the
+two are level, the op's saved boundaries decide (`docs/performance.md`, "One op a
+block")."""
 LAYERS = 24
 """(768 -> 3072 -> 768) pairs timed: 64 MB of Q4_K, past a 32 MiB L3."""
 D, FF = 768, 3072
@@ -87,9 +91,17 @@ class Choice:
         faster decode step by `MARGIN` (a named kernel for both)."""
         if work == "request" or not self.ms:
             return self.kernel
+        if work == "block":
+            cost = {k: request_cost(self.ms[k]) for k in KERNELS}
+            return "max" if faster(cost["max"], cost["package"]) else "package"
         return decode_kernel(self.ms)
 
     def describe(self, encoding: str, work: str = "request") -> str:
+        if work == "block":
+            kernel = self.kernel_for(work)
+            how = ("one op, the package's kernel inside it" if kernel == "package"
+                   else "composed of its ops, MAX's serving the request sooner")
+            return f"{encoding} weights of a block: {kernel}'s kernel ({how})"
         if work == "request" or not self.ms:
             return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
         ms = {k: m["decode"] for k, m in self.ms.items()}

@@ -48,6 +48,12 @@ def is_projection_weight(name: str) -> bool:
     return match is not None and match.group(3) == "weight" and match.group(2) in PROJECTIONS
 
 
+def block_index(name: str) -> int | None:
+    """The block a parameter (`h.3.mlp.c_fc.weight`) belongs to, or None outside the blocks."""
+    match = _BLOCK_PARAMETER.fullmatch(name)
+    return None if match is None else int(match.group(1))
+
+
 def hub_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """How a hub checkpoint stores parameter `name` of `shape` (`Conv1D`: transposed)."""
     return shape[::-1] if is_projection_weight(name) else shape

@@ -2,7 +2,8 @@
 
 A step of up to `SKINNY_MAX_ROWS` rows runs the block in one parallel region with
 barriers between its stages, a longer one stage by stage (`mojo/block.mojo`): each
-batch below is one of the two, with float32 and with float16 weights. The op must
+batch below is one of the two, with float32 and float16 weights, and with GGUF blocks,
+each projection of its own type, against their dequantized values. The op must
 also leave the step's keys and values in the cache where MAX's own stores put them,
 since the next step's attention (the op's or MAX's) reads them there.
 """
@@ -11,22 +12,24 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, quants
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 from gpt2_max import kernels
+from gpt2_max.gguf.quants import quantize
 from tests.kernels.test_attention import LAYER, PAGE, cache_inputs, cache_types, paged_cache
 from tests.kernels.test_attention import reference as attention_reference
 
 pytestmark = pytest.mark.tier("model")
 
-HIDDEN, HEADS, FF, EPS = 128, 2, 512, 1e-5
-HEAD_DIM = HIDDEN // HEADS
+EPS = 1e-5
 BATCHES = {
     "decode (one region)": [(80, 1), (0, 1), (30, 0), (5, 7)],
     "one decode row (its keys shared by the tasks)": [(80, 1)],
@@ -37,20 +40,42 @@ BATCHES = {
 assert sum(r for _, r in BATCHES["decode (one region)"]) <= kernels.SKINNY_MAX_ROWS
 assert sum(r for _, r in BATCHES["prefill (stage by stage)"]) > kernels.SKINNY_MAX_ROWS
 
-PROJECTIONS = {"c_attn": (3 * HIDDEN, HIDDEN), "c_proj": (HIDDEN, HIDDEN),
-               "c_fc": (FF, HIDDEN), "mlp_proj": (HIDDEN, FF)}
+class Shape(NamedTuple):
+    hidden: int
+    heads: int
+    ff: int
+
+
+FLOAT = Shape(hidden=128, heads=2, ff=512)
+PACKED = Shape(hidden=256, heads=4, ff=1024)
+"""Block shapes: a packed one's rows hold whole blocks of 256 values."""
+MIXES = {
+    "q4_k_m's types": ("q5_k", "q4_k", "q4_k", "q6_k"),
+    "32-value types": ("q8_0", "q5_0", "q4_0", "q5_1"),
+}
+"""Packed blocks: each projection (c_attn, c_proj, c_fc, mlp_proj) of its own type, as
+a llama-quantize file mixes them."""
+
+
+def projections(shape) -> dict[str, tuple[int, int]]:
+    return {"c_attn": (3 * shape.hidden, shape.hidden), "c_proj": (shape.hidden, shape.hidden),
+            "c_fc": (shape.ff, shape.hidden), "mlp_proj": (shape.hidden, shape.ff)}
 
 
 @functools.cache
-def block_op(weight_dtype: DType, scale: float):
+def block_op(shape, weight_dtype: DType, encodings: tuple, dot: str, scale: float):
     cpu = DeviceRef.CPU()
-    vector = [TensorType(DType.float32, [HIDDEN], cpu)] * 2
-    types = [TensorType(DType.float32, ["tokens", HIDDEN], cpu), *vector]
-    for out, inp in PROJECTIONS.values():
-        types += [TensorType(weight_dtype, [out, inp], cpu), TensorType(DType.float32, [out], cpu)]
+    head_dim = shape.hidden // shape.heads
+    vector = [TensorType(DType.float32, [shape.hidden], cpu)] * 2
+    types = [TensorType(DType.float32, ["tokens", shape.hidden], cpu), *vector]
+    for i, (out, inp) in enumerate(projections(shape).values()):
+        width = [f"bytes_{i}"] if encodings[i] else [inp]
+        types += [TensorType(weight_dtype, [out, *width], cpu),
+                  TensorType(DType.float32, [out], cpu)]
     types[7:7] = vector  # ln_2 after the attention's two projections
-    types += cache_types(HEADS, HEAD_DIM)
-    with Graph(f"block_{weight_dtype}", input_types=types) as graph:
+    types += cache_types(shape.heads, head_dim)
+    name = "_".join(e or str(weight_dtype) for e in encodings)
+    with Graph(f"block_{name}_{dot}", input_types=types) as graph:
         v = [value.tensor if i != 14 else value.buffer for i, value in enumerate(graph.inputs)]
         x, g1, b1, w_qkv, b_qkv, w_o, b_o, g2, b2, w_fc, b_fc, w_p, b_p = v[:13]
         offsets, blocks, stride, lengths, lut, layer = v[13:]
@@ -59,7 +84,8 @@ def block_op(weight_dtype: DType, scale: float):
         )
         graph.output(kernels.decoder_block(
             x, (g1, b1, EPS), (w_qkv, b_qkv), (w_o, b_o), (g2, b2), (w_fc, b_fc),
-            (w_p, b_p), offsets, cache, layer, scale, HEAD_DIM,
+            (w_p, b_p), offsets, cache, layer, scale, head_dim,
+            encodings=encodings, dot=dot,
         ))
     return InferenceSession(devices=[CPU()]).load(graph)
 
@@ -74,32 +100,31 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-@pytest.mark.parametrize("weight_dtype", [DType.float32, DType.float16], ids=str)
-@pytest.mark.parametrize("batch", list(BATCHES))
-def test_block_matches_numpy(batch, weight_dtype):
+def run_block(batch, shape, weights, stored, encodings=(None,) * 4, dot="auto"):
+    """The op on a random step of `batch` over a random paged cache, with `stored`
+    (`[out, in]` arrays, or packed blocks) as the projections' weights; and the float64
+    reference over `weights` (their values), the block's output and the cache after."""
     rng = np.random.default_rng(list(BATCHES).index(batch))
-    blocks, cached, offsets, lut = paged_cache(BATCHES[batch], HEADS, HEAD_DIM, rng)
+    head_dim = shape.hidden // shape.heads
+    blocks, cached, offsets, lut = paged_cache(BATCHES[batch], shape.heads, head_dim, rng)
     tokens = int(offsets[-1])
-    x = rng.standard_normal((tokens, HIDDEN), np.float32)
-    ln = [(1 + 0.1 * rng.standard_normal(HIDDEN, np.float32),
-           0.1 * rng.standard_normal(HIDDEN, np.float32)) for _ in range(2)]
-    weights = {
-        name: ((rng.standard_normal(shape, np.float32) / np.sqrt(shape[1]))
-               .astype(weight_dtype.to_numpy()),
-               0.1 * rng.standard_normal(shape[0], np.float32))
-        for name, shape in PROJECTIONS.items()
-    }
-    scale = 1 / np.sqrt(HEAD_DIM)
-    arrays = [x, *ln[0], *weights["c_attn"], *weights["c_proj"], *ln[1],
-              *weights["c_fc"], *weights["mlp_proj"]]
+    x = rng.standard_normal((tokens, shape.hidden), np.float32)
+    ln = [(1 + 0.1 * rng.standard_normal(shape.hidden, np.float32),
+           0.1 * rng.standard_normal(shape.hidden, np.float32)) for _ in range(2)]
+    biases = {name: 0.1 * rng.standard_normal(shape[0], np.float32)
+              for name, shape in projections(shape).items()}
+    scale = 1 / np.sqrt(head_dim)
+    arrays = [x, *ln[0], stored["c_attn"], biases["c_attn"], stored["c_proj"],
+              biases["c_proj"], *ln[1], stored["c_fc"], biases["c_fc"], stored["mlp_proj"],
+              biases["mlp_proj"]]
+    dtype = DType.from_numpy(stored["c_attn"].dtype)
     cache = Buffer.from_numpy(blocks.copy())
-    got = block_op(weight_dtype, float(scale)).execute(
+    got = block_op(shape, dtype, tuple(encodings), dot, float(scale)).execute(
         *(Buffer.from_numpy(a) for a in arrays), *cache_inputs(offsets, cache, cached, lut)
     )[0].to_numpy()
 
     def linear(h, name):
-        w, b = weights[name]
-        return h @ w.astype(np.float64).T + b
+        return h @ weights[name].astype(np.float64).T + biases[name]
 
     x64 = x.astype(np.float64)
     qkv = linear(layer_norm(x64, *ln[0]), "c_attn")
@@ -109,13 +134,65 @@ def test_block_matches_numpy(batch, weight_dtype):
         pos = cached[b] + np.arange(offsets[b + 1] - offsets[b])
         rows = slice(offsets[b], offsets[b + 1])
         page, slot = lut[b, pos // PAGE], pos % PAGE
-        expected_cache[page, 0, LAYER, slot] = k[rows].reshape(-1, HEADS, HEAD_DIM)
-        expected_cache[page, 1, LAYER, slot] = v[rows].reshape(-1, HEADS, HEAD_DIM)
+        expected_cache[page, 0, LAYER, slot] = k[rows].reshape(-1, shape.heads, head_dim)
+        expected_cache[page, 1, LAYER, slot] = v[rows].reshape(-1, shape.heads, head_dim)
     attn = attention_reference(
-        q.reshape(tokens, HEADS, HEAD_DIM), offsets, expected_cache, cached, lut, scale
-    ).reshape(tokens, HIDDEN)
+        q.reshape(tokens, shape.heads, head_dim), offsets, expected_cache, cached, lut, scale
+    ).reshape(tokens, shape.hidden)
     h = x64 + linear(attn, "c_proj")
     y = h + linear(gelu_tanh(linear(layer_norm(h, *ln[1]), "c_fc")), "mlp_proj")
+    return SimpleNamespace(
+        x=x64, got=got, y=y, cache=cache.to_numpy(), expected_cache=expected_cache
+    )
 
-    np.testing.assert_allclose(cache.to_numpy(), expected_cache, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(got, y, atol=2e-4, rtol=0)
+
+@pytest.mark.parametrize("weight_dtype", [DType.float32, DType.float16], ids=str)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_block_matches_numpy(batch, weight_dtype):
+    rng = np.random.default_rng(99)
+    weights = {
+        name: (rng.standard_normal(shape, np.float32) / np.sqrt(shape[1]))
+        .astype(weight_dtype.to_numpy())
+        for name, shape in projections(FLOAT).items()
+    }
+    out = run_block(batch, FLOAT, weights, weights)
+    np.testing.assert_allclose(out.cache, out.expected_cache, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.got, out.y, atol=2e-4, rtol=0)
+
+
+def packed_weights(mix: tuple[str, ...]):
+    """Random weights in `mix`'s types: their values, and their blocks as the packed
+    kernel reads them (`kernels.interleave`)."""
+    rng = np.random.default_rng(7)
+    values, stored = {}, {}
+    for encoding, (name, shape) in zip(mix, projections(PACKED).items(), strict=True):
+        qtype = GGMLQuantizationType[encoding.upper()]
+        blocks = quantize(rng.standard_normal(shape, np.float32) / np.sqrt(shape[1]), qtype)
+        values[name] = quants.dequantize(blocks, qtype)
+        stored[name] = kernels.interleave(encoding, blocks)
+    return values, stored
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_packed_block_matches_numpy_on_dequantized_weights(batch, mix):
+    """Packed projections, each its own type, through the packed kernel's float32
+    arithmetic: the block's value on the dequantized weights, as for float weights."""
+    values, stored = packed_weights(MIXES[mix])
+    out = run_block(batch, PACKED, values, stored, MIXES[mix], dot="float32")
+    np.testing.assert_allclose(out.cache, out.expected_cache, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.got, out.y, atol=3e-4, rtol=0)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_packed_block_rounds_x_as_the_packed_ops_do(batch):
+    """The arithmetic the model runs ("auto": x rounded to int8 per block on a CPU that
+    multiplies bytes) stays within what that rounding adds: far under what a misplaced
+    residual, GELU or weight group would (each changes the block's output by its own
+    size)."""
+    mix = MIXES["q4_k_m's types"]
+    values, stored = packed_weights(mix)
+    out = run_block(batch, PACKED, values, stored, mix, dot="auto")
+    change = np.linalg.norm(out.y - out.x)
+    assert np.linalg.norm(out.got - out.y) <= 0.02 * change
+    np.testing.assert_allclose(out.cache, out.expected_cache, atol=1e-3, rtol=0)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 from max.driver import CPU, Buffer
+from max.dtype import DType
 from max.engine import InferenceSession
 
 from gpt2_max.encodings import BLOCK_FLAGS
@@ -18,9 +19,9 @@ from gpt2_max.gguf.quants import quantize
 from gpt2_max.layers import kernel_choice
 from gpt2_max.layers.fast import FastLayers
 from gpt2_max.layers.kernel_choice import KERNEL_ENV, Choice, choice, uses_max_kernel
-from gpt2_max.settings import settings
+from gpt2_max.settings import setting, settings
 from gpt2_max.weights.plan import WeightPlan
-from gpt2_max.weights.schema import HEAD_WEIGHT
+from gpt2_max.weights.schema import HEAD_WEIGHT, PROJECTIONS
 from tests.kernels.test_kquant import float_atol, int8_atol
 
 pytestmark = pytest.mark.tier("unit")
@@ -118,6 +119,34 @@ def test_a_last_token_head_takes_the_few_rows_kernel_and_the_rest_the_requests(
     assert not layers.linear("lm_head", 768, 50257, bias=False).max_kernel
     config.weights = plan  # every row's logits (echo): the head multiplies a prefill too
     assert layers.linear("lm_head", 768, 50257, bias=False).max_kernel
+
+
+@pytest.mark.parametrize(("max_ms", "package_ms", "fused"), [
+    ((4.0, 30.0), (3.8, 31.0), True),  # level: MAX's keeps the type, the block one op
+    ((5.4, 35.0), (4.8, 100.0), False),  # MAX's serves the request sooner
+])
+def test_a_block_is_one_op_unless_maxs_kernel_serves_the_request_sooner(
+    fresh, monkeypatch, max_ms, package_ms, fused
+):
+    """A block whose projections are all packed is one op (`FusedBlock`), running the
+    package's kernel, where that kernel is level with MAX's on the request or ahead;
+    composed of its modules (`GPT2_MAX_FUSE_BLOCKS=0`, or MAX's decisively faster), its
+    weights take the request's choice."""
+    ms = chains(max_ms, package_ms)
+    monkeypatch.setattr(kernel_choice, "measure", lambda e: kernel_choice.pick(ms))
+    names = [f"h.0.{p}" for p in PROJECTIONS]
+    plan = WeightPlan(packed={f"{n}.weight": "q4_k" for n in names})
+    config = SimpleNamespace(weights=plan, activation="gelu_tanh", dtype=DType.float32)
+    layers = FastLayers(config)
+    assert choice("q4_k").kernel == "max"
+    assert layers.fuses(0) is fused
+    assert {layers.work_of(f"{n}.weight") for n in names} == {"block" if fused else "request"}
+    assert all(layers.linear(n, 768, 768).max_kernel is not fused for n in names)
+    assert ("one op" in choice("q4_k").describe("q4_k", "block")) is fused
+    monkeypatch.setenv(setting("fuse_blocks").variable, "0")
+    settings.cache_clear()
+    assert not layers.fuses(0)
+    assert all(layers.linear(n, 768, 768).max_kernel for n in names)
 
 
 @pytest.mark.tier("model")

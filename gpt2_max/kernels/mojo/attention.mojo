@@ -35,7 +35,7 @@ from std.math import exp, fma
 
 from max.algorithm import sync_parallelize
 
-from .skinny import CpuCtx, F32Ptr
+from .share import CpuCtx, F32Ptr
 
 comptime U32Ptr = UnsafePointer[UInt32, MutUntrackedOrigin]
 comptime KW = 16

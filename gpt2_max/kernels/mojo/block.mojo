@@ -6,11 +6,17 @@ MAX's executor hands the next op to its workers: a pause at every boundary in wh
 at most one core streams, and a block composed of its modules has a dozen of them
 (`docs/performance.md`, "One op a block"). A step of up to `max_rows` rows therefore
 runs a whole block in one `sync_parallelize`: every task goes through the block's
-stages in order, sharing out each projection's chunks as `skinny.share_out` does,
+stages in order, sharing out each projection's chunks as `share.share_out` does,
 and meets the others at a barrier wherever a stage reads what all of them wrote. A
 longer step (a prefill) runs the same stages one after the other, each on all the
 threads, the projections through `ops.run_linear` (MAX's tiled matmul for float32
 weights), as the composed block does.
+
+The projections are float32 or float16, or GGUF blocks of any type the packed kernel
+multiplies (`kquant.mojo`), each its own: a packed projection runs the packed op's
+kernel, every task of the region joining it as a member of its team
+(`share.Team.joined`) with the stage's residual add or GELU done on each chunk of
+outputs (`share.Epilogue`), so a quantized model's block is one op too.
 
 Each value is computed as `layers.block.GPT2Block.forward` computes it (the projections in
 the skinny kernel's order, the bias and then the residual added to each sum, the
@@ -18,8 +24,9 @@ same tanh GELU), so the two differ only by LayerNorm's and GELU's rounding.
 """
 
 from std.atomic import Atomic
-from std.math import ceildiv, fma, sqrt, tanh
+from std.math import ceildiv, fma, sqrt
 from std.ffi import external_call
+from std.os import abort
 from std.sys import simd_width_of, size_of
 
 import extensibility
@@ -30,8 +37,10 @@ from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
 from .attention import AttentionPlan, U32Ptr, attention_tasks, plan_attention, run_attention
+from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
 from .ops import run_linear
-from .skinny import CpuCtx, F32Ptr, R, WPtr, _block, take_share
+from .share import CpuCtx, Epilogue, F32Ptr, Team, add_into, gelu_in_place, share_out
+from .skinny import R, WPtr, _block
 
 comptime SW = simd_width_of[DType.float32]()
 comptime PAD = 8
@@ -44,8 +53,6 @@ output row is four times an input row's) and smaller than `skinny`'s."""
 comptime SPINS = 4096
 """Barrier polls before a waiting task yields its core (to a preempted task, which it
 waits for)."""
-comptime GELU_C = 0.7978845608028654
-"""sqrt(2 / pi)."""
 
 
 @always_inline
@@ -75,35 +82,15 @@ def _layer_norm(x: F32Ptr, g: F32Ptr, b: F32Ptr, dst: F32Ptr, K: Int, eps: Float
         dst.unsafe_store(k, (x.unsafe_load(k) - mean) * inv * g.unsafe_load(k) + b.unsafe_load(k))
 
 
-@always_inline
-def _gelu[w: Int](x: SIMD[DType.float32, w]) -> SIMD[DType.float32, w]:
-    """GELU, tanh approximation (GPT-2's `gelu_new`)."""
-    return 0.5 * x * (1 + tanh(GELU_C * (x + 0.044715 * x * x * x)))
-
-
-@always_inline
-def _gelu_in_place(row: F32Ptr, n0: Int, n1: Int):
-    var n = n0
-    while n + SW <= n1:
-        row.unsafe_store(n, _gelu(row.unsafe_load[width=SW](n)))
-        n += SW
-    for i in range(n, n1):
-        row.unsafe_store(i, _gelu[1](row.unsafe_load(i)))
-
-
-@always_inline
-def _add_into(row: F32Ptr, other: F32Ptr, n0: Int, n1: Int):
-    var n = n0
-    while n + SW <= n1:
-        row.unsafe_store(n, row.unsafe_load[width=SW](n) + other.unsafe_load[width=SW](n))
-        n += SW
-    for i in range(n, n1):
-        row.unsafe_store(i, row.unsafe_load(i) + other.unsafe_load(i))
-
-
 @fieldwise_init
-struct Block[wdt: DType](ImplicitlyCopyable, Movable):
-    """A block's parameters and the step's buffers; every pointer is shared by the tasks."""
+struct Block[
+    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int
+](ImplicitlyCopyable, Movable):
+    """A block's parameters and the step's buffers; every pointer is shared by the tasks.
+
+    The projections' weights are float (`wdt` float32 or float16, every `f_*` 0) or GGUF
+    blocks (`wdt` uint8, `f_qkv` ... `f_p` each projection's GGML type, multiplied with
+    the packed kernel's arithmetic `dot`, `kquant.dot_path`)."""
 
     var x: F32Ptr
     """[M, d], the residual stream in."""
@@ -136,12 +123,36 @@ struct Block[wdt: DType](ImplicitlyCopyable, Movable):
     var f: F32Ptr
     """[M, ff], the MLP's activations."""
 
+    def project[fmt: Int](
+        self, x: F32Ptr, w: WPtr[Self.wdt], b: F32Ptr, dst: F32Ptr, K: Int, N: Int,
+        team: Team, epi: Epilogue,
+    ):
+        """`dst = x @ w.T + b` for the block's `M` rows, then `epi`, each chunk by one of
+        the team's tasks: float weights (`fmt` 0) in `project_chunk`'s chunks, GGUF
+        blocks of GGML type `fmt` through the packed kernel (`kquant.packed_matmul`, as
+        `kernels.interleave` lays them out), as the packed ops run it."""
+        try:
+            comptime if fmt == 0:
+
+                def chunk(c: Int) {imm self, imm x, imm w, imm b, imm dst, imm K, imm N, imm epi}:
+                    self.project_chunk(x, w, b, dst, K, N, c, epi)
+
+                share_out(chunk, chunks[Self.wdt](N, K), team)
+            else:
+                packed_matmul[fmt, Self.dot](
+                    x, rebind[U8Ptr](w), b, dst, self.M, K, N, True, team, epi
+                )
+        except e:
+            # Joined tasks start none, and a launched team's start failing has no caller
+            # to report to inside a task.
+            abort(String("a block's projection failed: ", e))
+
     def project_chunk(
         self, x: F32Ptr, w: WPtr[Self.wdt], b: F32Ptr, dst: F32Ptr, K: Int, N: Int,
-        c: Int, residual: F32Ptr, add: Bool, gelu: Bool,
+        c: Int, epi: Epilogue,
     ):
         """Chunk `c` of `out = x @ w.T + b` (`chunk_blocks` blocks of `R` rows of `w`),
-        then, over the chunk's columns, `+ residual` (`add`) or GELU (`gelu`)."""
+        then `epi` over the chunk's columns."""
         var nblocks = N // R
         var cb = chunk_blocks[Self.wdt](K)
         var n0 = c * cb * R
@@ -152,12 +163,21 @@ struct Block[wdt: DType](ImplicitlyCopyable, Movable):
             for n in range(nblocks * R, N):
                 _block[Self.wdt, 1](x, w, b, dst, self.M, K, N, n, True)
             n1 = N
-        for m in range(self.M):
-            var row = dst + m * N
-            if add:
-                _add_into(row, residual + m * N, n0, n1)
-            elif gelu:
-                _gelu_in_place(row, n0, n1)
+        epi.apply(dst, N, 0, self.M, n0, n1)
+
+    def stage[fmt: Int, max_rows: Int](
+        self, dst: F32Ptr, x: F32Ptr, w: WPtr[Self.wdt], b: F32Ptr, K: Int, N: Int,
+        ntasks: Int, ctx: Optional[CpuCtx],
+    ) raises:
+        """`dst = x @ w.T + b` for a prefill's rows on all the threads, as the composed
+        block's op for the weight computes it (`ops.run_linear`, the packed ops)."""
+        comptime if fmt == 0:
+            run_linear[Self.wdt, max_rows](dst, x, w, b, self.M, K, N, True)
+        else:
+            packed_matmul[fmt, Self.dot](
+                x, rebind[U8Ptr](w), b, dst, self.M, K, N, True, Team.launch(ntasks, ctx),
+                Epilogue.none(),
+            )
 
     def layer_norm_rows(self, x: F32Ptr, g: F32Ptr, b: F32Ptr, dst: F32Ptr, m0: Int, m1: Int):
         for m in range(m0, m1):
@@ -206,10 +226,11 @@ def _store_rows[D: Int](plan: AttentionPlan[D], q: F32Ptr, qkv: F32Ptr, d: Int, 
             value.unsafe_store(k, src.unsafe_load(2 * d + k))
 
 
-def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
-    blk: Block[wdt], offsets: U32Ptr, B: Int, H: Int, blocks: F32Ptr, page_elems: Int,
-    L: Int, page_size: Int, layer: Int, cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int,
-    scale: Float32, ntasks: Int, ctx: Optional[CpuCtx],
+def decoder_block[wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //, head_dim: Int, max_rows: Int](
+    blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot], offsets: U32Ptr, B: Int, H: Int,
+    blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, layer: Int,
+    cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,
+    ctx: Optional[CpuCtx],
 ) raises:
     """`blk.y = h + mlp(ln_2(h))`, `h = blk.x + attn(ln_1(blk.x))`, the step's keys and
     values stored into layer `layer` of the cache (`H` heads of `head_dim`, one kv head
@@ -217,7 +238,7 @@ def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
     var d = blk.d
     var M = blk.M
     if M > max_rows:
-        _staged[wdt, head_dim, max_rows](
+        _staged[head_dim, max_rows](
             blk, offsets, B, H, blocks, page_elems, L, page_size, layer, cache_lengths,
             lut, lut_cols, scale, ntasks, ctx,
         )
@@ -239,37 +260,24 @@ def decoder_block[wdt: DType, head_dim: Int, max_rows: Int](
         imm blk, imm B, imm d, imm M, imm plan, imm counters, imm arrived, imm ln, imm T,
     }:
         var mine = ln + t * M * d
-        var null = blk.x
+        # The four projections' teams: task t of T, claiming from a stage's counters.
+        var team = Array[Team, 4](fill=Team.joined(t, T, counters, PAD))
+        for stage in range(1, 4):
+            team[stage] = Team.joined(t, T, counters + stage * T * PAD, PAD)
         blk.layer_norm_rows(blk.x, blk.ln1_g, blk.ln1_b, mine, 0, M)
-
-        def qkv(c: Int) {imm blk, imm mine, imm d, imm null}:
-            blk.project_chunk(mine, blk.w_qkv, blk.b_qkv, blk.qkv, d, 3 * d, c, null, False, False)
-
-        take_share(qkv, chunks[wdt](3 * d, d), t, T, counters, PAD)
+        blk.project[f_qkv](mine, blk.w_qkv, blk.b_qkv, blk.qkv, d, 3 * d, team[0], Epilogue.none())
         _wait(arrived, T)
         for b in range(t, B, T):
             _store_rows(plan, blk.q, blk.qkv, d, b)
         _wait(arrived, 2 * T)
         plan.run(t, T)
         _wait(arrived, 3 * T)
-
-        def attn_out(c: Int) {imm blk, imm d}:
-            blk.project_chunk(blk.o, blk.w_o, blk.b_o, blk.h, d, d, c, blk.x, True, False)
-
-        take_share(attn_out, chunks[wdt](d, d), t, T, counters + T * PAD, PAD)
+        blk.project[f_o](blk.o, blk.w_o, blk.b_o, blk.h, d, d, team[1], Epilogue.add(blk.x))
         _wait(arrived, 4 * T)
         blk.layer_norm_rows(blk.h, blk.ln2_g, blk.ln2_b, mine, 0, M)
-
-        def fc(c: Int) {imm blk, imm mine, imm d, imm null}:
-            blk.project_chunk(mine, blk.w_fc, blk.b_fc, blk.f, d, blk.ff, c, null, False, True)
-
-        take_share(fc, chunks[wdt](blk.ff, d), t, T, counters + 2 * T * PAD, PAD)
+        blk.project[f_fc](mine, blk.w_fc, blk.b_fc, blk.f, d, blk.ff, team[2], Epilogue.gelu_tanh())
         _wait(arrived, 5 * T)
-
-        def mlp_out(c: Int) {imm blk, imm d}:
-            blk.project_chunk(blk.f, blk.w_p, blk.b_p, blk.y, blk.ff, d, c, blk.h, True, False)
-
-        take_share(mlp_out, chunks[wdt](d, blk.ff), t, T, counters + 3 * T * PAD, PAD)
+        blk.project[f_p](blk.f, blk.w_p, blk.b_p, blk.y, blk.ff, d, team[3], Epilogue.add(blk.h))
 
     sync_parallelize(task, T, ctx)
     ln.free()
@@ -287,10 +295,11 @@ def _rows_parallel[Work: def(Int, Int) -> None](work: Work, M: Int, ntasks: Int,
     sync_parallelize(band, T, ctx)
 
 
-def _staged[wdt: DType, head_dim: Int, max_rows: Int](
-    blk: Block[wdt], offsets: U32Ptr, B: Int, H: Int, blocks: F32Ptr, page_elems: Int,
-    L: Int, page_size: Int, layer: Int, cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int,
-    scale: Float32, ntasks: Int, ctx: Optional[CpuCtx],
+def _staged[wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //, head_dim: Int, max_rows: Int](
+    blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot], offsets: U32Ptr, B: Int, H: Int,
+    blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, layer: Int,
+    cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,
+    ctx: Optional[CpuCtx],
 ) raises:
     """The block for many rows, a stage at a time, each on all the threads."""
     var d = blk.d
@@ -302,7 +311,7 @@ def _staged[wdt: DType, head_dim: Int, max_rows: Int](
         blk.layer_norm_rows(blk.x, blk.ln1_g, blk.ln1_b, ln, m0, m1)
 
     _rows_parallel(ln1, M, ntasks, ctx)
-    run_linear[wdt, max_rows](blk.qkv, ln, blk.w_qkv, blk.b_qkv, M, d, 3 * d, True)
+    blk.stage[f_qkv, max_rows](blk.qkv, ln, blk.w_qkv, blk.b_qkv, d, 3 * d, ntasks, ctx)
     var tasks = attention_tasks(offsets, B, cache_lengths, H, head_dim, ntasks)
     var plan = plan_attention[head_dim](
         blk.o, blk.q, offsets, B, H, blocks, page_elems, L, page_size, H, layer,
@@ -312,26 +321,42 @@ def _staged[wdt: DType, head_dim: Int, max_rows: Int](
         _store_rows(plan, blk.q, blk.qkv, d, b)
     run_attention(plan, tasks, ctx)
     plan.free()
-    run_linear[wdt, max_rows](blk.h, blk.o, blk.w_o, blk.b_o, M, d, d, True)
+    blk.stage[f_o, max_rows](blk.h, blk.o, blk.w_o, blk.b_o, d, d, ntasks, ctx)
 
     def residual_ln2(m0: Int, m1: Int) {imm blk, imm ln, imm d}:
-        _add_into(blk.h, blk.x, m0 * d, m1 * d)
+        add_into(blk.h, blk.x, m0 * d, m1 * d)
         blk.layer_norm_rows(blk.h, blk.ln2_g, blk.ln2_b, ln, m0, m1)
 
     _rows_parallel(residual_ln2, M, ntasks, ctx)
-    run_linear[wdt, max_rows](blk.f, ln, blk.w_fc, blk.b_fc, M, d, ff, True)
+    blk.stage[f_fc, max_rows](blk.f, ln, blk.w_fc, blk.b_fc, d, ff, ntasks, ctx)
 
     def gelu(m0: Int, m1: Int) {imm blk, imm ff}:
-        _gelu_in_place(blk.f, m0 * ff, m1 * ff)
+        gelu_in_place(blk.f, m0 * ff, m1 * ff)
 
     _rows_parallel(gelu, M, ntasks, ctx)
-    run_linear[wdt, max_rows](blk.y, blk.f, blk.w_p, blk.b_p, M, ff, d, True)
+    blk.stage[f_p, max_rows](blk.y, blk.f, blk.w_p, blk.b_p, ff, d, ntasks, ctx)
 
     def residual(m0: Int, m1: Int) {imm blk, imm d}:
-        _add_into(blk.y, blk.h, m0 * d, m1 * d)
+        add_into(blk.y, blk.h, m0 * d, m1 * d)
 
     _rows_parallel(residual, M, ntasks, ctx)
     ln.free()
+
+
+def _row_width[wdt: DType, fmt: Int](K: Int) raises -> Int:
+    """Elements of `wdt` in a weight row of `K` values: `K` floats (`fmt` 0), or the bytes
+    of GGML type `fmt`'s blocks of them."""
+    comptime if fmt == 0:
+        if wdt == DType.uint8:
+            raise Error("weights of bytes with no GGML type")
+        return K
+    else:
+        if wdt != DType.uint8:
+            raise Error("GGML type ", fmt, " given for weights of ", wdt)
+        if K % block_elems[fmt]():
+            raise Error("GGML type ", fmt, " packs rows of a multiple of ", block_elems[fmt](),
+                        " values, not ", K)
+        return K // block_elems[fmt]() * block_bytes[fmt]()
 
 
 @extensibility.register("gpt2_decoder_block")
@@ -340,7 +365,10 @@ struct DecoderBlock:
     the step's keys and values written into layer `layer_idx` of MAX's paged cache."""
 
     @staticmethod
-    def execute[wdt: DType, head_dim: Int, max_rows: Int, target: StaticString](
+    def execute[
+        wdt: DType, head_dim: Int, max_rows: Int, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int,
+        dot: Int, target: StaticString,
+    ](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
         ln1_g: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
@@ -369,9 +397,11 @@ struct DecoderBlock:
         var d = x.dim_size(1)
         var ff = w_fc.dim_size(0)
         if (
-            w_qkv.dim_size(0) != 3 * d or w_qkv.dim_size(1) != d or w_o.dim_size(0) != d
-            or w_o.dim_size(1) != d or w_fc.dim_size(1) != d or w_p.dim_size(0) != d
-            or w_p.dim_size(1) != ff
+            w_qkv.dim_size(0) != 3 * d or w_o.dim_size(0) != d or w_p.dim_size(0) != d
+            or w_qkv.dim_size(1) != _row_width[wdt, f_qkv](d)
+            or w_o.dim_size(1) != _row_width[wdt, f_o](d)
+            or w_fc.dim_size(1) != _row_width[wdt, f_fc](d)
+            or w_p.dim_size(1) != _row_width[wdt, f_p](ff)
         ):
             raise Error("the block's weights do not fit a hidden size of ", d)
         if kv_blocks.dim_size(5) != head_dim or d % head_dim or kv_blocks.dim_size(4) * head_dim != d:
@@ -386,7 +416,7 @@ struct DecoderBlock:
         var o = alloc[Float32](M * d, alignment=64)
         var h = alloc[Float32](M * d, alignment=64)
         var f = alloc[Float32](M * ff, alignment=64)
-        var blk = Block[wdt](
+        var blk = Block[wdt, f_qkv, f_o, f_fc, f_p, dot](
             rebind[F32Ptr](x.unsafe_ptr()), rebind[F32Ptr](y.unsafe_ptr()),
             rebind[F32Ptr](ln1_g.unsafe_ptr()), rebind[F32Ptr](ln1_b.unsafe_ptr()),
             rebind[WPtr[wdt]](w_qkv.unsafe_ptr()), rebind[F32Ptr](b_qkv.unsafe_ptr()),
@@ -397,7 +427,7 @@ struct DecoderBlock:
             M, d, ff, eps, qkv, q, o, h, f,
         )
         var cpu = Optional[CpuCtx](None)
-        decoder_block[wdt, head_dim, max_rows](
+        decoder_block[head_dim, max_rows](
             blk, rebind[U32Ptr](input_row_offsets.unsafe_ptr()), input_row_offsets.dim_size(0) - 1,
             d // head_dim, rebind[F32Ptr](kv_blocks.unsafe_ptr()),
             page_elems if stride < 0 else stride, kv_blocks.dim_size(2), kv_blocks.dim_size(3),

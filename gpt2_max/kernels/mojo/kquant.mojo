@@ -7,7 +7,7 @@ regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same 
 `x`, `b` and `y` are float32.
 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
-of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`skinny.share_out`: each task
+of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`share.share_out`: each task
 streams a band, then takes over what is left of the others'); each block is decoded
 once per tile of up to `MT` input rows (8 for a grouped K-quant) and multiplied into
 per-row accumulators while its bytes are in L1. Many rows (a prefill) take the same
@@ -45,7 +45,8 @@ from std.sys.intrinsics import PrefetchOptions, llvm_intrinsic, prefetch
 
 from max.algorithm import sync_parallelize
 
-from .skinny import CHUNK_ROWS, MC, CpuCtx, F32Ptr, share_passes
+from .share import CpuCtx, Epilogue, F32Ptr, Team, share_passes
+from .skinny import CHUNK_ROWS
 
 comptime U8Ptr = UnsafePointer[UInt8, MutUntrackedOrigin]
 comptime V = 16
@@ -108,16 +109,19 @@ def block_bytes[fmt: Int]() -> Int:
 
 
 def _share_rows[Row: def(Int, Int, Int) -> None](
-    row: Row, M: Int, N: Int, ntasks: Int, ctx: Optional[CpuCtx]
+    row: Row, y: F32Ptr, M: Int, N: Int, team: Team, epi: Epilogue
 ) raises:
     """`row(m_begin, m_end, n)` for every weight row `n` and every pass of up to `MC`
-    input rows, shared out (`skinny.share_passes`) in chunks of `CHUNK_ROWS` rows."""
+    input rows, shared out (`share.share_passes`) in chunks of `CHUNK_ROWS` rows, each
+    chunk's outputs in `y` then finished by `epi`."""
 
-    def chunk(m_begin: Int, m_end: Int, c: Int) {imm row, imm N}:
-        for n in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, N)):
+    def chunk(m_begin: Int, m_end: Int, c: Int) {imm row, imm y, imm N, imm epi}:
+        var n1 = min((c + 1) * CHUNK_ROWS, N)
+        for n in range(c * CHUNK_ROWS, n1):
             row(m_begin, m_end, n)
+        epi.apply(y, N, m_begin, m_end, c * CHUNK_ROWS, n1)
 
-    share_passes(chunk, M, ceildiv(N, CHUNK_ROWS), ntasks, ctx)
+    share_passes(chunk, M, ceildiv(N, CHUNK_ROWS), team)
 
 
 @always_inline
@@ -432,7 +436,7 @@ def _tile_bf16[mt: Int](
 
 def _packed_bf16(
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
     """Q5_K through bfloat16 dot products."""
     var xp = _XPrep(x, M, K)
@@ -446,7 +450,7 @@ def _packed_bf16(
             if m_end - m0 == rest:
                 _tile_bf16[rest](xp, w, b, y, K, N, m0, n, has_bias)
 
-    _share_rows(row, M, N, ntasks, ctx)
+    _share_rows(row, y, M, N, team, epi)
     xp.free()
 
 
@@ -513,7 +517,7 @@ struct _X8[fmt: Int, terms: Int]:
     var offsets: I32Ptr
 
     def __init__(
-        out self, x: F32Ptr, M: Int, K: Int, ntasks: Int = 1, ctx: Optional[CpuCtx] = None
+        out self, x: F32Ptr, M: Int, K: Int, team: Team = Team.launch(1, None)
     ) raises:
         comptime SUB = _sub_elems[Self.fmt]()
         var nb = M * K // 256
@@ -532,14 +536,14 @@ struct _X8[fmt: Int, terms: Int]:
 
         # A prefill's rows are rounded by every task (a step's few rows are not worth
         # waking them for): one thread rounding them left the others waiting.
-        var tasks = ntasks if nb >= X8_SHARED_BLOCKS else 1
+        var tasks = team.starts() if nb >= X8_SHARED_BLOCKS else 1
 
         def rows(t: Int) {imm x, imm nb, imm tasks, imm q, imm lo, imm ds, imm sums, imm offsets}:
             for r in range(t * nb // tasks, (t + 1) * nb // tasks):
                 Self._round(x, r, q, lo, ds, sums, offsets)
 
         if tasks > 1:
-            sync_parallelize(rows, tasks, ctx)
+            sync_parallelize(rows, tasks, team.ctx)
         else:
             rows(0)
 
@@ -690,10 +694,10 @@ def _tile_vnni[terms: Int, mt: Int](
 
 def _packed_vnni[terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
     """Q5_K through 8-bit integer dot products, `terms` of x."""
-    var xq = _X8[Q5_K, terms](x, M, K, ntasks, ctx)
+    var xq = _X8[Q5_K, terms](x, M, K, team)
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         var m0 = m_begin
@@ -704,7 +708,7 @@ def _packed_vnni[terms: Int](
             if m_end - m0 == rest:
                 _tile_vnni[terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
 
-    _share_rows(row, M, N, ntasks, ctx)
+    _share_rows(row, y, M, N, team, epi)
     xq.free()
 
 
@@ -910,14 +914,14 @@ def _row_vnni32[fmt: Int, terms: Int](
 
 def _packed_vnni32[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
     var xq = _X8S[fmt, terms](x, M, K)
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         _row_vnni32[fmt, terms](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    _share_rows(row, M, N, ntasks, ctx)
+    _share_rows(row, y, M, N, team, epi)
     xq.free()
 
 
@@ -1035,28 +1039,32 @@ def _group_q4_0x16[terms: Int, mt: Int](
 
 
 def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) -> None](
-    group: Group, tail: Tail, M: Int, N: Int, ntasks: Int, ctx: Optional[CpuCtx]
+    group: Group, tail: Tail, y: F32Ptr, M: Int, N: Int, team: Team, epi: Epilogue
 ) raises:
     """`group(m_begin, m_end, g)` for every group of `GROUP` weight rows and `tail(m_begin,
     m_end, n)` for each row past the last whole group, every pass of up to `MC` input
-    rows, shared out (`skinny.share_passes`) in chunks of `CHUNK_ROWS` rows."""
+    rows, shared out (`share.share_passes`) in chunks of `CHUNK_ROWS` rows, each chunk's
+    outputs in `y` then finished by `epi`."""
     var groups = N // GROUP
     comptime PER_CHUNK = CHUNK_ROWS // GROUP
     var nchunks = max(1, ceildiv(groups, PER_CHUNK))
 
-    def chunk(m_begin: Int, m_end: Int, c: Int) {imm group, imm tail, imm N, imm groups, imm nchunks}:
+    def chunk(m_begin: Int, m_end: Int, c: Int) {imm group, imm tail, imm y, imm N, imm groups, imm nchunks, imm epi}:
         for g in range(c * PER_CHUNK, min((c + 1) * PER_CHUNK, groups)):
             group(m_begin, m_end, g)
+        var n1 = (c + 1) * CHUNK_ROWS
         if c == nchunks - 1:
             for n in range(groups * GROUP, N):
                 tail(m_begin, m_end, n)
+            n1 = N
+        epi.apply(y, N, m_begin, m_end, c * CHUNK_ROWS, min(n1, N))
 
-    share_passes(chunk, M, nchunks, ntasks, ctx)
+    share_passes(chunk, M, nchunks, team)
 
 
 def _packed_q4_0x16[terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
     """Q4_0 in `kernels.interleave`'s layout, with `terms` int8 terms of x, or (0) in
     float32."""
@@ -1079,7 +1087,7 @@ def _packed_q4_0x16[terms: Int](
         else:
             _row_vnni32[Q4_0, T](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    _share_groups(group, tail, M, N, ntasks, ctx)
+    _share_groups(group, tail, y, M, N, team, epi)
     xq.free()
 
 
@@ -1266,7 +1274,7 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
 
 def _packed_kx16[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
     """Q4_K or Q6_K in `kernels.interleave`'s layout, with `terms` int8 terms of x, or
     (0) in float32; the rows past the last whole group in float32, as the file has them."""
@@ -1274,7 +1282,7 @@ def _packed_kx16[fmt: Int, terms: Int](
     # Input rows per tile: each column is rebuilt once per tile, so a prefill wants a
     # tall one; 8 sums of one term, or 4 of two, still fit the registers.
     comptime KMT = 8 // T
-    var xq = _X8[fmt, T](x, M if terms else 0, K, ntasks, ctx)
+    var xq = _X8[fmt, T](x, M if terms else 0, K, team)
 
     def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         var m0 = m_begin
@@ -1288,7 +1296,7 @@ def _packed_kx16[fmt: Int, terms: Int](
     def tail(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         _row[fmt](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    _share_groups(group, tail, M, N, ntasks, ctx)
+    _share_groups(group, tail, y, M, N, team, epi)
     xq.free()
 
 
@@ -1319,27 +1327,27 @@ def dot_path[fmt: Int, dot: Int]() -> Int:
 
 def packed_matmul[fmt: Int, dot: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
+    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
     comptime path = dot_path[fmt, dot]()
     comptime terms = 2 if path == DOT_INT8X2 else (1 if path == DOT_INT8 else 0)
     comptime if fmt == Q4_0:
-        _packed_q4_0x16[terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        _packed_q4_0x16[terms](x, w, b, y, M, K, N, has_bias, team, epi)
         return
     elif fmt == Q4_K or fmt == Q6_K:
-        _packed_kx16[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        _packed_kx16[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
         return
     comptime if path == DOT_INT8 or path == DOT_INT8X2:
         comptime if block_elems[fmt]() == 32:
-            _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+            _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
         else:
-            _packed_vnni[terms](x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+            _packed_vnni[terms](x, w, b, y, M, K, N, has_bias, team, epi)
         return
     elif path == DOT_BF16:
-        _packed_bf16(x, w, b, y, M, K, N, has_bias, ntasks, ctx)
+        _packed_bf16(x, w, b, y, M, K, N, has_bias, team, epi)
         return
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         _row[fmt](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
-    _share_rows(row, M, N, ntasks, ctx)
+    _share_rows(row, y, M, N, team, epi)

@@ -29,7 +29,8 @@ from max.runtime.asyncrt import parallelism_level
 
 from .attention import U32Ptr, paged_attention
 from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
-from .skinny import CpuCtx, F32Ptr, WPtr, skinny_matmul
+from .share import CpuCtx, Epilogue, F32Ptr, Team
+from .skinny import WPtr, skinny_matmul
 
 
 def run_linear[wdt: DType, max_rows: Int](
@@ -115,7 +116,9 @@ def _run_packed[fmt: Int, dot: Int](
             " values of GGML type ", fmt,
         )
     var cpu = Optional[CpuCtx](None)
-    packed_matmul[fmt, dot](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
+    packed_matmul[fmt, dot](
+        x, w, b, y, M, K, N, has_bias, Team.launch(parallelism_level(cpu), cpu), Epilogue.none()
+    )
 
 
 @extensibility.register("gpt2_packed_linear")

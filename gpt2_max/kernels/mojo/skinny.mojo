@@ -11,7 +11,7 @@ multiplied in tiles of up to `MT` rows while the block is still in L1, a cache l
 of each row per iteration (as many SIMD loads as a line holds of `w`'s type).
 
 The tasks (one per runtime thread) each stream a band of chunks, then take what is
-left of the others' bands (`share_out`): an op ends when its last task does, and a
+left of the others' bands (`share.share_out`): an op ends when its last task does, and a
 thread that streams slower, or loses its core for a while to another process (the
 API process of a served model), would otherwise hold the whole step up; the others
 take over the rest of its band, while each task still reads one contiguous range
@@ -23,16 +23,12 @@ steps of more rows than their `max_rows` to MAX's tiled matmul instead, so many 
 reach this kernel only through float16 weights, which MAX's matmul cannot take.
 """
 
-from std.atomic import Atomic
 from std.math import ceildiv, fma
-from std.sys import CompilationTarget, simd_width_of, size_of
+from std.sys import simd_width_of, size_of
 from std.sys.intrinsics import PrefetchOptions, prefetch
 
-from max.algorithm import sync_parallelize
-from max.gpu.host.device_context import DeviceContextBase
+from .share import CpuCtx, F32Ptr, Team, share_passes
 
-comptime CpuCtx = DeviceContextBase[CompilationTarget()]
-comptime F32Ptr = UnsafePointer[Float32, MutUntrackedOrigin]
 comptime WPtr[wdt: DType] = UnsafePointer[Scalar[wdt], MutUntrackedOrigin]
 comptime SW = simd_width_of[DType.float32]()
 comptime LINE = 64
@@ -47,10 +43,6 @@ microseconds of streaming, short enough to share a small projection out evenly, 
 enough that taking one costs nothing beside it (`docs/performance.md`, "How a kernel's tasks share the rows")."""
 comptime CHUNK_ROWS = CHUNK_BLOCKS * R
 """Weight rows per chunk."""
-comptime MC = 64
-"""Input rows per pass over `w`: many rows (a prefill through a float16 weight) are
-taken this many at a time, so they stay in L2 while `w` streams past once per pass;
-a work item is one chunk in one pass."""
 
 
 @always_inline
@@ -151,61 +143,6 @@ def _tile_ahead[wdt: DType, mt: Int, r: Int](
         _tile[wdt, mt, r, 0](x, w, b, y, K, N, m0, n0, has_bias)
 
 
-def share_out[Work: def(Int) -> None](
-    work: Work, items: Int, ntasks: Int, ctx: Optional[CpuCtx]
-) raises:
-    """Runs `work(0)` ... `work(items - 1)` on up to `ntasks` tasks.
-
-    Task `t` takes the items of its own band (the `t`-th of equal ranges) in order, so
-    each streams a contiguous range of the weights as with a fixed split; a task done
-    with its band then takes what is left of the others', so one that streams slower,
-    or loses its core for a while, hands the rest of its band over. Each band's next
-    item comes from an atomic counter of its own, so every item runs once.
-    """
-    var tasks = max(1, min(ntasks, items))
-    var taken = alloc[Int64](tasks)
-    for t in range(tasks):
-        taken.unsafe_store(t, 0)
-    var counters = taken.unsafe_bitcast[Atomic[Int64]]()
-
-    def task(t: Int) {imm work, imm items, imm tasks, imm counters}:
-        take_share(work, items, t, tasks, counters, 1)
-
-    sync_parallelize(task, tasks, ctx)
-    taken.free()
-
-
-@always_inline
-def take_share[Work: def(Int) -> None](
-    work: Work, items: Int, t: Int, T: Int,
-    counters: UnsafePointer[Atomic[Int64], MutUntrackedOrigin], stride: Int,
-):
-    """Task `t`'s part of `share_out`'s items: its own band in order, then what is left
-    of the others' (`counters[band * stride]` counts a band's taken items)."""
-    for k in range(T):
-        var band = (t + k) % T
-        var first = band * items // T
-        var size = (band + 1) * items // T - first
-        while True:
-            var i = Int(counters[band * stride].fetch_add(1))
-            if i >= size:
-                break
-            work(first + i)
-
-
-def share_passes[Work: def(Int, Int, Int) -> None](
-    work: Work, M: Int, nchunks: Int, ntasks: Int, ctx: Optional[CpuCtx]
-) raises:
-    """`work(m_begin, m_end, chunk)` for every chunk of a weight and every pass of up to
-    `MC` input rows, one item per chunk and pass, shared out by `share_out`."""
-
-    def item(i: Int) {imm work, imm M, imm nchunks}:
-        var m0 = i // nchunks * MC
-        work(m0, min(m0 + MC, M), i % nchunks)
-
-    share_out(item, nchunks * ceildiv(M, MC), ntasks, ctx)
-
-
 def skinny_matmul[wdt: DType](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
@@ -223,4 +160,4 @@ def skinny_matmul[wdt: DType](
             for n in range(nblocks * R, N):
                 _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
 
-    share_passes(chunk, M, nchunks, ntasks, ctx)
+    share_passes(chunk, M, nchunks, Team.launch(ntasks, ctx))
