@@ -6,9 +6,10 @@
 Each type is the GGUF of the random-weight checkpoint `bench_serve.py` caches
 (same files as its llama.cpp rows). One request, 16-token prompt, greedy, new
 tokens to the end; every decode step after the prefill is booked by wrapping
-what MAX's pipeline calls per step:
+what MAX's pipeline calls per step (a pass of its loop runs a burst of steps,
+`gpt2_max.bursts`: each part is its time over the decode, per model graph call):
 
-  step              entry of one `pipeline.execute` to the next (everything)
+  step              the decode's wall time per step (everything)
   model graph       the compiled model graph (`PipelineModel.model.execute_raw`)
   sampler graph     MAX's fused sampler graph
   prepare_batch     input building: token/offset tensors, KV cache inputs
@@ -101,11 +102,17 @@ PROMPT = list(range(2000, 2016))
 
 
 class Book:
-    """Durations per name, one entry per call."""
+    """Durations per name, one entry per call; and per entry of `pipeline.execute`, its
+    time and how many calls of each name came before it."""
 
     def __init__(self) -> None:
         self.calls: dict[str, list[float]] = defaultdict(list)
-        self.entries: list[float] = []
+        self.entries: list[tuple[float, dict[str, int]]] = []
+
+    def enter(self) -> None:
+        self.entries.append(
+            (time.perf_counter(), {name: len(c) for name, c in self.calls.items()})
+        )
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -149,19 +156,22 @@ def step_accounting(path: Path, new_tokens: int) -> dict[str, float]:
         execute = book.wrap("pipeline.execute", pipeline.execute)
 
         def entered(inputs: Any) -> Any:
-            book.entries.append(time.perf_counter())
+            book.enter()
             return execute(inputs)
 
         pipeline.execute = entered
         start = time.perf_counter()
         gen.generate(PROMPT, new_tokens, ignore_eos=True)
         wall = time.perf_counter() - start
-        book.entries.append(time.perf_counter())
-    # Drop the prefill (first call); the last interval ends when `generate` returns.
-    steps = np.diff(book.entries)[1:]
-    table = {"step": float(np.mean(steps)) * 1e3}
+        book.enter()
+    # From the second `execute` (the first is the prefill's) to `generate`'s return. A
+    # pass of MAX's loop runs a burst of decode steps (`gpt2_max.bursts`), one model graph
+    # call each, so every part is its time over those calls, per step.
+    (first, before), (last, after) = book.entries[1], book.entries[-1]
+    steps = after["model graph"] - before["model graph"]
+    table = {"step": (last - first) / steps * 1e3}
     for name, calls in book.calls.items():
-        table[name] = float(np.mean(calls[1:])) * 1e3
+        table[name] = sum(calls[before.get(name, 0) : after[name]]) / steps * 1e3
     table["pipeline, other"] = table["pipeline.execute"] - sum(
         table[n] for n in ("model graph", "sampler graph", "prepare_batch", "kv_manager.step")
     )

@@ -95,7 +95,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("layers", "fast", "`fast` on the CPU", _one_of("fast", "plain"),
             "`plain` serves MAX's plain layers on the CPU too, as a GPU always does"),
     Setting("fuse_blocks", True, "`1`", _switch,
-            "`0` runs each block of float weights as its modules' ops, not one op"),
+            "`0` runs each block as its modules' ops, not one op"),
     Setting("packed_kernel", None, "timed once a CPU", _one_of("max", "package"),
             "`max` or `package`: the kernel for GGUF types both multiply"),
     Setting("worker_nice", 10, "`10`", _whole(0, MAX_NICE),

@@ -143,8 +143,7 @@ struct Block[
                     x, rebind[U8Ptr](w), b, dst, self.M, K, N, True, team, epi
                 )
         except e:
-            # Joined tasks start none, and a launched team's start failing has no caller
-            # to report to inside a task.
+            # A joined team starts no tasks, the one thing here that raises.
             abort(String("a block's projection failed: ", e))
 
     def project_chunk(
@@ -226,7 +225,10 @@ def _store_rows[D: Int](plan: AttentionPlan[D], q: F32Ptr, qkv: F32Ptr, d: Int, 
             value.unsafe_store(k, src.unsafe_load(2 * d + k))
 
 
-def decoder_block[wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //, head_dim: Int, max_rows: Int](
+def decoder_block[
+    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //,
+    head_dim: Int, max_rows: Int,
+](
     blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot], offsets: U32Ptr, B: Int, H: Int,
     blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, layer: Int,
     cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,
@@ -295,7 +297,10 @@ def _rows_parallel[Work: def(Int, Int) -> None](work: Work, M: Int, ntasks: Int,
     sync_parallelize(band, T, ctx)
 
 
-def _staged[wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //, head_dim: Int, max_rows: Int](
+def _staged[
+    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //,
+    head_dim: Int, max_rows: Int,
+](
     blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot], offsets: U32Ptr, B: Int, H: Int,
     blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, layer: Int,
     cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,

@@ -1049,7 +1049,9 @@ def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) ->
     comptime PER_CHUNK = CHUNK_ROWS // GROUP
     var nchunks = max(1, ceildiv(groups, PER_CHUNK))
 
-    def chunk(m_begin: Int, m_end: Int, c: Int) {imm group, imm tail, imm y, imm N, imm groups, imm nchunks, imm epi}:
+    def chunk(m_begin: Int, m_end: Int, c: Int) {
+        imm group, imm tail, imm y, imm N, imm groups, imm nchunks, imm epi,
+    }:
         for g in range(c * PER_CHUNK, min((c + 1) * PER_CHUNK, groups)):
             group(m_begin, m_end, g)
         var n1 = (c + 1) * CHUNK_ROWS
