@@ -22,6 +22,9 @@ the kernel with the faster decode step of the same measurement (`Choice.kernel_f
 "decode"): a speculative draft's (`speculate/draft.py`), which multiplies one row a
 step, and the LM head of a model returning last-token logits, which multiplies each
 sequence's last rows alone, at a prefill as at a decode step (`WeightPlan.work_of`).
+A block whose projections are all packed runs as one op on the package's kernel
+(`layers.fast.FusedBlock`, "block") unless MAX's serves the request sooner: the op
+saves the boundaries of the dozen ops a composed block has, so a level goes to it.
 
 `GPT2_MAX_PACKED_KERNEL=max` or `=package` names one instead (tests and benchmarks
 that compare them).
@@ -87,8 +90,9 @@ class Choice:
     why: str = ""
 
     def kernel_for(self, work: str) -> str:
-        """The kernel for `work` (`WORK`): the request's choice, or for "decode" the
-        faster decode step by `MARGIN` (a named kernel for both)."""
+        """The kernel for `work` (`WORK`): the request's choice; for "decode" the faster
+        decode step by `MARGIN`; for "block" the package's unless MAX's serves the
+        request sooner by `MARGIN` (a named kernel for all three)."""
         if work == "request" or not self.ms:
             return self.kernel
         if work == "block":
@@ -100,7 +104,8 @@ class Choice:
         if work == "block":
             kernel = self.kernel_for(work)
             how = ("one op, the package's kernel inside it" if kernel == "package"
-                   else "composed of its ops, MAX's serving the request sooner")
+                   else "composed of its ops: " + (
+                       "MAX's serves the request sooner" if self.ms else self.why))
             return f"{encoding} weights of a block: {kernel}'s kernel ({how})"
         if work == "request" or not self.ms:
             return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"

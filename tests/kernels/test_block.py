@@ -50,11 +50,14 @@ FLOAT = Shape(hidden=128, heads=2, ff=512)
 PACKED = Shape(hidden=256, heads=4, ff=1024)
 """Block shapes: a packed one's rows hold whole blocks of 256 values."""
 MIXES = {
-    "q4_k_m's types": ("q5_k", "q4_k", "q4_k", "q6_k"),
-    "32-value types": ("q8_0", "q5_0", "q4_0", "q5_1"),
+    "q4_k_m's types": (("q5_k", "q4_k", "q4_k", "q6_k"), PACKED),
+    "32-value types, a last chunk part-full": (
+        ("q8_0", "q5_0", "q4_0", "q5_1"), PACKED._replace(ff=1056)
+    ),
 }
 """Packed blocks: each projection (c_attn, c_proj, c_fc, mlp_proj) of its own type, as
-a llama-quantize file mixes them."""
+a llama-quantize file mixes them, and the block's shape (an MLP of 1056 ends its c_fc
+output in half a chunk of the kernel's 64 rows, which a residual or GELU must finish)."""
 
 
 def projections(shape) -> dict[str, tuple[int, int]]:
@@ -111,8 +114,8 @@ def run_block(batch, shape, weights, stored, encodings=(None,) * 4, dot="auto"):
     x = rng.standard_normal((tokens, shape.hidden), np.float32)
     ln = [(1 + 0.1 * rng.standard_normal(shape.hidden, np.float32),
            0.1 * rng.standard_normal(shape.hidden, np.float32)) for _ in range(2)]
-    biases = {name: 0.1 * rng.standard_normal(shape[0], np.float32)
-              for name, shape in projections(shape).items()}
+    biases = {name: 0.1 * rng.standard_normal(dims[0], np.float32)
+              for name, dims in projections(shape).items()}
     scale = 1 / np.sqrt(head_dim)
     arrays = [x, *ln[0], stored["c_attn"], biases["c_attn"], stored["c_proj"],
               biases["c_proj"], *ln[1], stored["c_fc"], biases["c_fc"], stored["mlp_proj"],
@@ -160,14 +163,14 @@ def test_block_matches_numpy(batch, weight_dtype):
     np.testing.assert_allclose(out.got, out.y, atol=2e-4, rtol=0)
 
 
-def packed_weights(mix: tuple[str, ...]):
+def packed_weights(mix: tuple[str, ...], shape: Shape):
     """Random weights in `mix`'s types: their values, and their blocks as the packed
     kernel reads them (`kernels.interleave`)."""
     rng = np.random.default_rng(7)
     values, stored = {}, {}
-    for encoding, (name, shape) in zip(mix, projections(PACKED).items(), strict=True):
+    for encoding, (name, dims) in zip(mix, projections(shape).items(), strict=True):
         qtype = GGMLQuantizationType[encoding.upper()]
-        blocks = quantize(rng.standard_normal(shape, np.float32) / np.sqrt(shape[1]), qtype)
+        blocks = quantize(rng.standard_normal(dims, np.float32) / np.sqrt(dims[1]), qtype)
         values[name] = quants.dequantize(blocks, qtype)
         stored[name] = kernels.interleave(encoding, blocks)
     return values, stored
@@ -178,8 +181,9 @@ def packed_weights(mix: tuple[str, ...]):
 def test_packed_block_matches_numpy_on_dequantized_weights(batch, mix):
     """Packed projections, each its own type, through the packed kernel's float32
     arithmetic: the block's value on the dequantized weights, as for float weights."""
-    values, stored = packed_weights(MIXES[mix])
-    out = run_block(batch, PACKED, values, stored, MIXES[mix], dot="float32")
+    types, shape = MIXES[mix]
+    values, stored = packed_weights(types, shape)
+    out = run_block(batch, shape, values, stored, types, dot="float32")
     np.testing.assert_allclose(out.cache, out.expected_cache, atol=1e-5, rtol=0)
     np.testing.assert_allclose(out.got, out.y, atol=3e-4, rtol=0)
 
@@ -190,9 +194,14 @@ def test_packed_block_rounds_x_as_the_packed_ops_do(batch):
     multiplies bytes) stays within what that rounding adds: far under what a misplaced
     residual, GELU or weight group would (each changes the block's output by its own
     size)."""
-    mix = MIXES["q4_k_m's types"]
-    values, stored = packed_weights(mix)
-    out = run_block(batch, PACKED, values, stored, mix, dot="auto")
+    types, shape = MIXES["q4_k_m's types"]
+    values, stored = packed_weights(types, shape)
+    out = run_block(batch, shape, values, stored, types, dot="auto")
     change = np.linalg.norm(out.y - out.x)
     assert np.linalg.norm(out.got - out.y) <= 0.02 * change
     np.testing.assert_allclose(out.cache, out.expected_cache, atol=1e-3, rtol=0)
+
+
+def test_a_block_is_all_float_or_all_packed():
+    with pytest.raises(ValueError, match="all float or all packed"):
+        kernels.decoder_block(*[None] * 12, encodings=("q4_k", None, None, None))

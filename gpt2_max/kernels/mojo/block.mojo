@@ -10,7 +10,7 @@ stages in order, sharing out each projection's chunks as `share.share_out` does,
 and meets the others at a barrier wherever a stage reads what all of them wrote. A
 longer step (a prefill) runs the same stages one after the other, each on all the
 threads, the projections through `ops.run_linear` (MAX's tiled matmul for float32
-weights), as the composed block does.
+weights) or the packed kernel, as the composed block does.
 
 The projections are float32 or float16, or GGUF blocks of any type the packed kernel
 multiplies (`kquant.mojo`), each its own: a packed projection runs the packed op's
@@ -37,9 +37,11 @@ from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
 from .attention import AttentionPlan, U32Ptr, attention_tasks, plan_attention, run_attention
-from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
+from .kquant import U8Ptr, packed_matmul, packed_row_bytes
 from .ops import run_linear
-from .share import CpuCtx, Epilogue, F32Ptr, Team, add_into, gelu_in_place, share_out
+from .share import (
+    Counters, CpuCtx, Epilogue, F32Ptr, Team, add_into, gelu_in_place, share_out,
+)
 from .skinny import R, WPtr, _block
 
 comptime SW = simd_width_of[DType.float32]()
@@ -225,6 +227,11 @@ def _store_rows[D: Int](plan: AttentionPlan[D], q: F32Ptr, qkv: F32Ptr, d: Int, 
             value.unsafe_store(k, src.unsafe_load(2 * d + k))
 
 
+def _member(t: Int, T: Int, counters: Counters, stage: Int) -> Team:
+    """Task `t` of `T` in projection `stage`'s team, claiming from that stage's counters."""
+    return Team.joined(t, T, counters + stage * T * PAD, PAD)
+
+
 def decoder_block[
     wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //,
     head_dim: Int, max_rows: Int,
@@ -262,24 +269,32 @@ def decoder_block[
         imm blk, imm B, imm d, imm M, imm plan, imm counters, imm arrived, imm ln, imm T,
     }:
         var mine = ln + t * M * d
-        # The four projections' teams: task t of T, claiming from a stage's counters.
-        var team = Array[Team, 4](fill=Team.joined(t, T, counters, PAD))
-        for stage in range(1, 4):
-            team[stage] = Team.joined(t, T, counters + stage * T * PAD, PAD)
         blk.layer_norm_rows(blk.x, blk.ln1_g, blk.ln1_b, mine, 0, M)
-        blk.project[f_qkv](mine, blk.w_qkv, blk.b_qkv, blk.qkv, d, 3 * d, team[0], Epilogue.none())
+        blk.project[f_qkv](
+            mine, blk.w_qkv, blk.b_qkv, blk.qkv, d, 3 * d, _member(t, T, counters, 0),
+            Epilogue.none(),
+        )
         _wait(arrived, T)
         for b in range(t, B, T):
             _store_rows(plan, blk.q, blk.qkv, d, b)
         _wait(arrived, 2 * T)
         plan.run(t, T)
         _wait(arrived, 3 * T)
-        blk.project[f_o](blk.o, blk.w_o, blk.b_o, blk.h, d, d, team[1], Epilogue.add(blk.x))
+        blk.project[f_o](
+            blk.o, blk.w_o, blk.b_o, blk.h, d, d, _member(t, T, counters, 1),
+            Epilogue.add(blk.x),
+        )
         _wait(arrived, 4 * T)
         blk.layer_norm_rows(blk.h, blk.ln2_g, blk.ln2_b, mine, 0, M)
-        blk.project[f_fc](mine, blk.w_fc, blk.b_fc, blk.f, d, blk.ff, team[2], Epilogue.gelu_tanh())
+        blk.project[f_fc](
+            mine, blk.w_fc, blk.b_fc, blk.f, d, blk.ff, _member(t, T, counters, 2),
+            Epilogue.gelu_tanh(),
+        )
         _wait(arrived, 5 * T)
-        blk.project[f_p](blk.f, blk.w_p, blk.b_p, blk.y, blk.ff, d, team[3], Epilogue.add(blk.h))
+        blk.project[f_p](
+            blk.f, blk.w_p, blk.b_p, blk.y, blk.ff, d, _member(t, T, counters, 3),
+            Epilogue.add(blk.h),
+        )
 
     sync_parallelize(task, T, ctx)
     ln.free()
@@ -358,10 +373,7 @@ def _row_width[wdt: DType, fmt: Int](K: Int) raises -> Int:
     else:
         if wdt != DType.uint8:
             raise Error("GGML type ", fmt, " given for weights of ", wdt)
-        if K % block_elems[fmt]():
-            raise Error("GGML type ", fmt, " packs rows of a multiple of ", block_elems[fmt](),
-                        " values, not ", K)
-        return K // block_elems[fmt]() * block_bytes[fmt]()
+        return packed_row_bytes[fmt](K)
 
 
 @extensibility.register("gpt2_decoder_block")

@@ -108,6 +108,16 @@ def block_bytes[fmt: Int]() -> Int:
         return 210
 
 
+def packed_row_bytes[fmt: Int](K: Int) raises -> Int:
+    """Bytes of a weight row of `K` values in GGML type `fmt`'s blocks."""
+    if K % block_elems[fmt]():
+        raise Error(
+            "GGML type ", fmt, " packs rows of a multiple of ", block_elems[fmt](),
+            " values, not ", K,
+        )
+    return K // block_elems[fmt]() * block_bytes[fmt]()
+
+
 def _share_rows[Row: def(Int, Int, Int) -> None](
     row: Row, y: F32Ptr, M: Int, N: Int, team: Team, epi: Epilogue
 ) raises:
@@ -1047,6 +1057,7 @@ def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) ->
     outputs in `y` then finished by `epi`."""
     var groups = N // GROUP
     comptime PER_CHUNK = CHUNK_ROWS // GROUP
+    comptime assert CHUNK_ROWS % GROUP == 0, "a chunk's columns are whole groups"
     var nchunks = max(1, ceildiv(groups, PER_CHUNK))
 
     def chunk(m_begin: Int, m_end: Int, c: Int) {

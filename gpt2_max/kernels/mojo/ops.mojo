@@ -28,7 +28,7 @@ from max.gpu.host import DeviceContext
 from max.runtime.asyncrt import parallelism_level
 
 from .attention import U32Ptr, paged_attention
-from .kquant import U8Ptr, block_bytes, block_elems, packed_matmul
+from .kquant import U8Ptr, packed_matmul, packed_row_bytes
 from .share import CpuCtx, Epilogue, F32Ptr, Team
 from .skinny import WPtr, skinny_matmul
 
@@ -110,7 +110,7 @@ def _run_packed[fmt: Int, dot: Int](
     y: F32Ptr, x: F32Ptr, w: U8Ptr, b: F32Ptr,
     M: Int, K: Int, N: Int, row_bytes: Int, has_bias: Bool,
 ) raises:
-    if K % block_elems[fmt]() or row_bytes != K // block_elems[fmt]() * block_bytes[fmt]():
+    if row_bytes != packed_row_bytes[fmt](K):
         raise Error(
             "packed weight rows of ", row_bytes, " bytes do not hold K=", K,
             " values of GGML type ", fmt,
