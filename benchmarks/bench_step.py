@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -66,6 +67,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import bench_start
@@ -89,8 +91,10 @@ from gpt2_max.cpu_runtime import threads
 from gpt2_max.generate import Generator
 from gpt2_max.gguf.adapter import convert_gguf_state_dict, huggingface_config, metadata
 from gpt2_max.layers import qmatmul
+from gpt2_max.layers.fast import FastLayers
 from gpt2_max.layers.kernel_choice import uses_max_kernel
 from gpt2_max.layers.quantized import repack
+from gpt2_max.model_config import ACTIVATIONS
 from gpt2_max.shims.internals import gguf_reader
 from gpt2_max.testing.server import child_env
 from gpt2_max.tools.checkpoint import preset_config, write_checkpoint
@@ -281,19 +285,27 @@ def sampler_alone(vocab_size: int, repeat: int, previous: int = 100) -> float:
 # ---- partial graphs -------------------------------------------------------------
 
 
-def model_weights(path: Path) -> tuple[dict[str, Any], Any]:
-    """The weights as the model holds them (converted, packed ones repacked)."""
+def model_weights(path: Path) -> tuple[dict[str, Any], Any, Callable[[str], str]]:
+    """The weights as the model holds them (converted, packed ones repacked), the
+    config, and what the model chooses each packed weight's kernel for (`model_work`)."""
     weights = GGUFWeights(path)
     state = dict(weights.items())
     reader = gguf_reader(next(iter(state.values())))
     config = huggingface_config(metadata(reader), {t.name for t in reader.tensors})
     converted = convert_gguf_state_dict(state, config)
-    return repack(converted, work_of), config
+    work_of = model_work(converted, config)
+    return repack(converted, work_of), config, work_of
 
 
-def work_of(name: str) -> str:
-    """What the served model (last-token logits) chooses weight `name`'s kernel for."""
-    return WeightPlan(few_rows=frozenset({HEAD_WEIGHT})).work_of(name)
+def model_work(state: dict[str, Any], config: Any) -> Callable[[str], str]:
+    """What the served model (last-token logits, on the fast layers) chooses each packed
+    weight's kernel for: `FastLayers.work_of` over the model's weights plan, so a block
+    it runs as one op takes the package's kernel here too."""
+    plan = dataclasses.replace(WeightPlan.of(state), few_rows=frozenset({HEAD_WEIGHT}))
+    arch = SimpleNamespace(
+        weights=plan, activation=ACTIVATIONS[config.activation_function], dtype=DType.float32
+    )
+    return FastLayers(arch).work_of
 
 
 def _array(weight: Any) -> np.ndarray:
@@ -317,10 +329,12 @@ def chain_input(name: str, y: Any, config: Any) -> Any:
     return y if name.endswith(("mlp.c_fc", "lm_head", "wte")) else y[:, : config.n_embd]
 
 
-def projection_chain(state: dict[str, Any], config: Any) -> tuple[Graph, list[np.ndarray], int]:
+def projection_chain(
+    state: dict[str, Any], config: Any, work_of: Callable[[str], str]
+) -> tuple[Graph, list[np.ndarray], int]:
     """A graph multiplying one row through every projection the model runs, in the
-    model's order, then the LM head; the weights are graph inputs. Returns it, its
-    inputs and the bytes of weights it streams."""
+    model's order and on its kernels (`model_weights`' `work_of`), then the LM head; the
+    weights are graph inputs. Returns it, its inputs and the bytes of weights it streams."""
     *names, head = chain_names(state, config)
     arrays: list[np.ndarray] = [np.zeros((1, config.n_embd), np.float32)]
     types = [TensorType(DType.float32, [1, config.n_embd], DeviceRef.CPU())]
@@ -397,10 +411,10 @@ def time_execute(model: Any, buffers: list[Buffer], repeat: int) -> float:
 
 
 def graph_split(path: Path, repeat: int) -> dict[str, float]:
-    state, config = model_weights(path)
+    state, config, work_of = model_weights(path)
     before = threads.thread_ids()
     session = InferenceSession(devices=[CPU()])
-    chain, arrays, nbytes = projection_chain(state, config)
+    chain, arrays, nbytes = projection_chain(state, config, work_of)
     buffers = [Buffer.from_numpy(a) for a in arrays]
     compiled = session.load(chain)
     compiled.execute(*buffers)
@@ -429,7 +443,7 @@ def torch_chain(path: Path, repeat: int) -> dict[str, float]:
     `THREADS` threads; empty unless every projection weight is float32."""
     import torch
 
-    state, config = model_weights(path)
+    state, config, _ = model_weights(path)
     names = chain_names(state, config)
     weights = [state[f"{name}.weight"] for name in names]
     if any(block_type(w) is not None or np.asarray(w.data).dtype != np.float32

@@ -1065,12 +1065,11 @@ def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) ->
     }:
         for g in range(c * PER_CHUNK, min((c + 1) * PER_CHUNK, groups)):
             group(m_begin, m_end, g)
-        var n1 = (c + 1) * CHUNK_ROWS
-        if c == nchunks - 1:
+        var last = c == nchunks - 1
+        if last:
             for n in range(groups * GROUP, N):
                 tail(m_begin, m_end, n)
-            n1 = N
-        epi.apply(y, N, m_begin, m_end, c * CHUNK_ROWS, min(n1, N))
+        epi.apply(y, N, m_begin, m_end, c * CHUNK_ROWS, N if last else (c + 1) * CHUNK_ROWS)
 
     share_passes(chunk, M, nchunks, team)
 
