@@ -23,14 +23,13 @@ from max.experimental.tensor import Tensor
 from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
-from ..encodings import KERNEL_TYPES
 from ..settings import settings
 from ..weights.schema import PROJECTIONS, block_index
 from . import Layers
 from .attention import GPT2Attention
 from .block import GPT2Block
 from .embedding import Embedding
-from .kernel_choice import uses_max_kernel
+from .kernel_choice import one_op
 from .linear import SkinnyLinear, project
 from .quantized import QuantizedLinear, repack
 
@@ -76,7 +75,7 @@ class FastLayers(Layers):
         """Whether block `layer_idx` is a `FusedBlock`, which the op covers: a tanh GELU,
         float32 LayerNorms, and projections (each with its bias) either float of one
         dtype or all packed in types the package's kernel multiplies and takes for a
-        block on this CPU (`kernel_choice.WORK`, "block")."""
+        block on this CPU at the weights' work (`kernel_choice.one_op`)."""
         config = self.config
         weights = config.weights
         names = [f"h.{layer_idx}.{p}.weight" for p in PROJECTIONS]
@@ -84,9 +83,7 @@ class FastLayers(Layers):
         if not any(encodings):
             covered = len({weights.dtype(name) for name in names}) == 1
         else:
-            covered = all(
-                e in KERNEL_TYPES and not uses_max_kernel(e, "block") for e in encodings
-            )
+            covered = all(e is not None and one_op(e, weights.work) for e in encodings)
         return (
             covered
             and settings().fuse_blocks

@@ -23,8 +23,16 @@ the kernel with the faster decode step of the same measurement (`Choice.kernel_f
 step, and the LM head of a model returning last-token logits, which multiplies each
 sequence's last rows alone, at a prefill as at a decode step (`WeightPlan.work_of`).
 A block whose projections are all packed runs as one op on the package's kernel
-(`layers.fast.FusedBlock`, "block") unless MAX's serves the request sooner: the op
-saves the boundaries of the dozen ops a composed block has, so a level goes to it.
+(`layers.fast.FusedBlock`, "block") unless MAX's is faster by `MARGIN` at the block's
+work (`Choice.one_op`: a served model's request, a draft's decode step): the op saves
+the boundaries of the dozen ops a composed block has, so a level goes to it.
+
+A measurement is only as good as the CPU it had: one taken while other processes
+kept the cores busy (a second server starting, a test run beside it) can pick the
+slower kernel, and a kept choice would slow every later start. So `measure` notes
+the share of the CPU's time other processes took while it timed (`Choice.busy`), and
+a choice measured at more than `BUSY_LIMIT` serves this start only, with a warning;
+the next start measures again.
 
 `GPT2_MAX_PACKED_KERNEL=max` or `=package` names one instead (tests and benchmarks
 that compare them).
@@ -40,11 +48,12 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+import psutil
 from gguf import GGMLQuantizationType
 from max.driver import CPU, Buffer
 from max.dtype import DType
@@ -52,7 +61,7 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType
 
 from .. import kernels
-from ..encodings import BLOCK_FLAGS
+from ..encodings import BLOCK_FLAGS, KERNEL_TYPES
 from ..kernels.package import source_hash
 from ..max_cache import max_cache_dir
 from ..names import PACKAGE
@@ -72,10 +81,11 @@ MARGIN = 1.1
 WORK = ("request", "decode", "block")
 """What a kernel is chosen for: a served model's requests (`REQUEST`'s decode steps and
 prefill chunks), a few rows a step alone (a draft's weights, a last-token head), or a
-block's projections, which run as one op (`layers.fast.FusedBlock`, the package's
-kernel inside it) unless MAX's kernel serves the request sooner by `MARGIN`: where the
-two are level, the op's saved boundaries decide (`docs/performance.md`, "One op a
-block")."""
+block's projections where the block runs as one op (`layers.fast.FusedBlock`, the
+package's kernel inside it: `one_op`)."""
+BUSY_LIMIT = 0.1
+"""The share of the CPU's time other processes may take while `measure` times, for its
+choice to be kept (`Choice.busy`)."""
 LAYERS = 24
 """(768 -> 3072 -> 768) pairs timed: 64 MB of Q4_K, past a 32 MiB L3."""
 D, FF = 768, 3072
@@ -88,25 +98,35 @@ class Choice:
     ms: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per kernel, the chain's median milliseconds at "decode" and "prefill" rows."""
     why: str = ""
+    busy: float = 0.0
+    """The share of the CPU's time that other processes took while the chains ran."""
 
     def kernel_for(self, work: str) -> str:
         """The kernel for `work` (`WORK`): the request's choice; for "decode" the faster
-        decode step by `MARGIN`; for "block" the package's unless MAX's serves the
-        request sooner by `MARGIN` (a named kernel for all three)."""
+        decode step by `MARGIN`; for "block" the package's, whose op the block is (a
+        named kernel for all three)."""
         if work == "request" or not self.ms:
             return self.kernel
         if work == "block":
-            cost = {k: request_cost(self.ms[k]) for k in KERNELS}
-            return "max" if faster(cost["max"], cost["package"]) else "package"
+            return "package"
         return decode_kernel(self.ms)
+
+    def one_op(self, work: str) -> bool:
+        """Whether a block whose packed weights are this type runs as one op on the
+        package's kernel, rather than composed of its ops on MAX's, for `work`'s steps
+        ("request": `REQUEST`'s; "decode": a draft's one-row steps alone): unless MAX's
+        kernel is faster at them by `MARGIN`, since the op saves the boundaries of the
+        dozen ops a composed block has (`docs/performance.md`, "One op a block")."""
+        if not self.ms:
+            return self.kernel == "package"
+        if work == "decode":
+            return not faster(self.ms["max"]["decode"], self.ms["package"]["decode"])
+        cost = {k: request_cost(self.ms[k]) for k in KERNELS}
+        return not faster(cost["max"], cost["package"])
 
     def describe(self, encoding: str, work: str = "request") -> str:
         if work == "block":
-            kernel = self.kernel_for(work)
-            how = ("one op, the package's kernel inside it" if kernel == "package"
-                   else "composed of its ops: " + (
-                       "MAX's serves the request sooner" if self.ms else self.why))
-            return f"{encoding} weights of a block: {kernel}'s kernel ({how})"
+            return f"{encoding} weights of a block: one op, the package's kernel inside it"
         if work == "request" or not self.ms:
             return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
         ms = {k: m["decode"] for k, m in self.ms.items()}
@@ -121,6 +141,15 @@ def uses_max_kernel(encoding: str, work: str = "request") -> bool:
     return encoding in BLOCK_FLAGS and choice(encoding).kernel_for(work) == "max"
 
 
+def one_op(encoding: str, work: str = "request") -> bool:
+    """Whether a block's `encoding` weights let it run as one op (`Choice.one_op`): a
+    type the package's kernel multiplies, and MAX's, where it has one, not the faster
+    at `work`."""
+    return encoding in KERNEL_TYPES and (
+        encoding not in BLOCK_FLAGS or choice(encoding).one_op(work)
+    )
+
+
 @functools.cache
 def choice(encoding: str) -> Choice:
     """The kernel of a type MAX's `qmatmul` covers: named by `GPT2_MAX_PACKED_KERNEL`,
@@ -132,6 +161,14 @@ def choice(encoding: str) -> Choice:
     if encoding not in known:
         logger.info(f"Timing MAX's and {PACKAGE}'s kernels for {encoding} on this CPU (once)")
         measured = measure(encoding)
+        if measured.busy > BUSY_LIMIT:
+            logger.warning(
+                f"Other processes took {measured.busy:.0%} of the CPU while {encoding}'s "
+                "kernels were timed: this start takes the choice, a later start times "
+                "them again"
+            )
+            logger.info(f"Packed {measured.describe(encoding)}")
+            return measured
         known = _read(path) | {encoding: asdict(measured)}
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(f".{os.getpid()}")
@@ -193,6 +230,7 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
         for k in KERNELS for s, rows in shapes.items()
     }
     times: dict = {key: [] for key in inputs}
+    busy = OthersBusy()
     for _ in range(rounds):  # alternating, so drift on a shared machine hits both alike
         for (k, s), buffers in inputs.items():
             model = models[k]
@@ -202,7 +240,26 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
                 model.execute(*buffers)
                 times[k, s].append(time.perf_counter() - start)
     ms = {k: {s: statistics.median(times[k, s]) * 1e3 for s in shapes} for k in KERNELS}
-    return pick(ms)
+    return replace(pick(ms), busy=busy.share())
+
+
+class OthersBusy:
+    """The share of the CPU's time, from now to `share()`, that processes other than
+    this one kept busy (`psutil`'s system-wide and per-process CPU times)."""
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        system, own = psutil.cpu_times(), self.process.cpu_times()
+        idle = system.idle + getattr(system, "iowait", 0.0)
+        return time.monotonic(), sum(system) - idle, own.user + own.system
+
+    def share(self) -> float:
+        (t0, busy0, own0), (t1, busy1, own1) = self.start, self._sample()
+        capacity = (t1 - t0) * (psutil.cpu_count() or 1)
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / capacity if capacity else 0.0
 
 
 def request_cost(ms: dict[str, float]) -> float:

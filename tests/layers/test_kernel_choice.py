@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 from gguf import GGMLQuantizationType, quants
 from max.driver import CPU, Buffer
@@ -20,6 +23,7 @@ from gpt2_max.layers import kernel_choice
 from gpt2_max.layers.fast import FastLayers
 from gpt2_max.layers.kernel_choice import KERNEL_ENV, Choice, choice, uses_max_kernel
 from gpt2_max.settings import setting, settings
+from gpt2_max.testing.server import child_env
 from gpt2_max.weights.plan import WeightPlan
 from gpt2_max.weights.schema import HEAD_WEIGHT, PROJECTIONS
 from tests.kernels.test_kquant import float_atol, int8_atol
@@ -67,6 +71,25 @@ def test_a_measurement_is_kept_per_type_and_read_back_by_later_starts(fresh, mon
     choice.cache_clear()  # a later start: the file answers
     assert not uses_max_kernel("q6_k") and uses_max_kernel("q4_k")
     assert measured == ["q6_k", "q4_k"]
+
+
+def test_a_measurement_under_load_serves_its_start_and_is_timed_again(
+    fresh, monkeypatch, caplog
+):
+    """A choice timed while other processes took the cores is not kept: the next start
+    measures again, and keeps what it measures on a quiet CPU."""
+    busy = iter((0.4, 0.02))
+    monkeypatch.setattr(kernel_choice, "measure", lambda e: Choice(
+        "max", {}, "timed", busy=next(busy)))
+    with caplog.at_level("WARNING", logger="max.pipelines"):
+        assert uses_max_kernel("q4_k")
+    assert "took 40% of the CPU" in caplog.text
+    assert not fresh.exists()
+    choice.cache_clear()  # a later start
+    assert uses_max_kernel("q4_k")
+    assert json.loads(fresh.read_text())["q4_k"]["busy"] == 0.02
+    choice.cache_clear()
+    assert uses_max_kernel("q4_k")  # read back: `busy` is spent
 
 
 def test_a_draft_takes_the_faster_decode_step_and_a_named_kernel_for_both(fresh, monkeypatch):
@@ -142,11 +165,51 @@ def test_a_block_is_one_op_unless_maxs_kernel_serves_the_request_sooner(
     assert layers.fuses(0) is fused
     assert {layers.work_of(f"{n}.weight") for n in names} == {"block" if fused else "request"}
     assert all(layers.linear(n, 768, 768).max_kernel is not fused for n in names)
-    assert ("one op" in choice("q4_k").describe("q4_k", "block")) is fused
+    assert choice("q4_k").one_op("request") is fused
     monkeypatch.setenv(setting("fuse_blocks").variable, "0")
     settings.cache_clear()
     assert not layers.fuses(0)
     assert all(layers.linear(n, 768, 768).max_kernel for n in names)
+
+
+@pytest.mark.parametrize(("max_ms", "package_ms", "request_op", "draft_op"), [
+    # MAX's serves the request sooner, the package's steps one row faster.
+    ((5.4, 35.0), (4.8, 100.0), False, True),
+    # MAX's steps one row faster by the margin, the package's prefills much faster.
+    ((4.0, 60.0), (4.8, 30.0), True, False),
+])
+def test_a_drafts_block_weighs_its_decode_steps_and_a_served_models_the_request(
+    fresh, monkeypatch, max_ms, package_ms, request_op, draft_op
+):
+    """A draft multiplies one row a step, so its block is one op unless MAX's kernel
+    steps one row faster; a served model's block weighs the whole request."""
+    ms = chains(max_ms, package_ms)
+    monkeypatch.setattr(kernel_choice, "measure", lambda e: kernel_choice.pick(ms))
+    names = [f"h.0.{p}.weight" for p in PROJECTIONS]
+    for work, fused in (("request", request_op), ("decode", draft_op)):
+        plan = WeightPlan(packed=dict.fromkeys(names, "q4_k"), work=work)
+        layers = FastLayers(
+            SimpleNamespace(weights=plan, activation="gelu_tanh", dtype=DType.float32)
+        )
+        assert layers.fuses(0) is fused, work
+        assert all(layers.work_of(n) == ("block" if fused else work) for n in names)
+
+
+def test_a_block_with_a_type_max_has_no_kernel_for_is_one_op_whatever_the_rest_get(
+    fresh, monkeypatch
+):
+    """Q5_K (no MAX kernel) in a block of Q4_K weights that MAX's kernel serves sooner:
+    the block is composed, its Q5_K on the package's kernel; alone, Q5_K is one op."""
+    ms = chains((5.4, 35.0), (4.8, 100.0))
+    monkeypatch.setattr(kernel_choice, "measure", lambda e: kernel_choice.pick(ms))
+    mixed = dict(zip([f"h.0.{p}.weight" for p in PROJECTIONS],
+                     ("q5_k", "q4_k", "q4_k", "q6_k"), strict=True))
+    config = SimpleNamespace(weights=WeightPlan(packed=mixed), activation="gelu_tanh",
+                             dtype=DType.float32)
+    assert not FastLayers(config).fuses(0)
+    assert not FastLayers(config).linear("h.0.attn.c_attn", 768, 2304).max_kernel
+    config.weights = WeightPlan(packed=dict.fromkeys(mixed, "q5_k"))
+    assert FastLayers(config).fuses(0)
 
 
 @pytest.mark.tier("model")
@@ -168,6 +231,22 @@ def test_the_measurement_picks_by_the_request_then_the_decode_step():
         expected = "package" if step["package"] * margin < step["max"] else "max"
     assert picked.kernel == expected
     assert "measured" in picked.why
+    assert 0 <= picked.busy < 1
+
+
+@pytest.mark.tier("model")
+def test_the_measurement_sees_other_processes_take_the_cpu():
+    """Two processes spinning on this CPU's cores while the kernels are timed: the
+    measurement says they took a share past `BUSY_LIMIT`, so its choice is not kept."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin, env=child_env()) for _ in range(psutil.cpu_count() or 1)]
+    try:
+        picked = kernel_choice.measure("q4_0", rounds=1)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert picked.busy > kernel_choice.BUSY_LIMIT
 
 
 @pytest.mark.tier("model")
