@@ -53,7 +53,7 @@ def skinny_matmul(x: Any, w: Any) -> Tensor:
     return _call("gpt2_skinny_matmul", x, w, max_rows=SKINNY_MAX_ROWS)
 
 
-DOTS = {"auto": 0, "float32": 1, "bfloat16": 2, "int8": 3, "int8x2": 4}
+DOTS = {"auto": 0, "float32": 1, "int8": 2, "int8x2": 3}
 """The packed kernel's arithmetic, at every row count (`mojo/kquant.mojo`'s `dot_path`):
 "auto" is the fastest the CPU has for the format; a named one the CPU or format lacks
 falls back to float32. Naming one is for tests and benchmarks, which compare them."""
@@ -65,12 +65,14 @@ GROUP = 16
 FIELDS = {
     "q4_0": ((0, 2, 2), (2, 18, 4)),
     "q4_k": ((0, 4, 2), (4, 16, 1), (16, 144, 4)),
+    "q5_k": ((0, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
     "q6_k": ((0, 2, 2), (2, 18, 1), (18, 210, 4)),
 }
 """Per grouped block type, its block's fields as `interleave` lays them out: (first byte,
 end, unit), each field's units in order, each unit the `GROUP` rows' in turn (float16
-scales in units of 2 bytes, 6- and 8-bit scales of 1, quants of 4: one row's 4 bytes
-a 32-bit lane of a dot product). Q6_K's fields are those of `_q6_k_lanes`' block."""
+scales in units of 2 bytes, 6- and 8-bit scales of 1, quants and Q5_K's high bits of
+4: one row's 4 bytes a 32-bit lane of a dot product). Q6_K's fields are those of
+`_q6_k_lanes`' block."""
 INTERLEAVED = frozenset(FIELDS)
 """The block types whose layout `interleave` changes."""
 

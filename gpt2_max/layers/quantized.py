@@ -1,6 +1,6 @@
 """A linear layer over GGUF-packed weights, through MAX's quantized CPU kernel
 (`qmatmul.py`) or the package's (`kernels/mojo/kquant.mojo`, the blocks as the
-file stores them but Q4_0's, Q4_K's and Q6_K's, `kernels.interleave`), whichever `kernel_choice`
+file stores them but Q4_0's and the K-quants', `kernels.interleave`), whichever `kernel_choice`
 measured the faster on this CPU for the block type and the plan's work; MAX has none
 for Q5_K, Q5_0, Q5_1 and Q8_0.
 

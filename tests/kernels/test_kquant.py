@@ -32,8 +32,7 @@ SHAPES = ((768, 2304), (256, 1), (512, 37), (3072, 768))
 SMALL_BLOCK_SHAPES = ((32, 5), (96, 33))
 """The 32-value formats also take K that no 256-value block divides."""
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
-"""The k-quants: a choice of float32 or int8 arithmetic (`kernels.DOTS`), and for Q5_K,
-whose rows are not grouped (`kernels.INTERLEAVED`), bfloat16."""
+"""The k-quants: a choice of float32 or int8 arithmetic (`kernels.DOTS`)."""
 INT8_32 = ("q4_0", "q5_0", "q5_1", "q8_0")
 """The 32-value block types with an int8 path besides float32."""
 ROUNDED = {"int8": 1, "int8x2": 254}
@@ -56,8 +55,7 @@ def rounding(x: np.ndarray, w: np.ndarray, encoding: str, dot: str) -> np.ndarra
 
 
 DOTS = {
-    encoding: ("float32", "bfloat16", "int8", "int8x2") if encoding == "q5_k"
-    else ("float32", "int8", "int8x2") if encoding in K_QUANTS + INT8_32 else ("auto",)
+    encoding: ("float32", "int8", "int8x2") if encoding in K_QUANTS + INT8_32 else ("auto",)
     for encoding in sorted(KERNEL_TYPES)
 }
 """The dots each type is checked with on every shape."""

@@ -1,7 +1,7 @@
 """Packed-weight matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ b[N]).
 
 `W` is a GGUF tensor: row `n` is the `K / QK` blocks of output feature `n`, `BYTES`
-bytes each, in ggml's block layout, except that Q4_0's, Q4_K's and Q6_K's rows are
+bytes each, in ggml's block layout, except that Q4_0's and the K-quants' rows are
 regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same bytes
 (`kernels.interleave`; the rows past the last whole group stay as the file has them).
 `x`, `b` and `y` are float32.
@@ -25,10 +25,10 @@ products on the CPUs without AVX-512, Zen 2 and 3 among them):
 - Q4_K and Q6_K: int8, x rounded once per block of 256 (`_X8`), as MAX's vroom kernels
   and llama.cpp's Q8_K round it, sixteen weight rows at a time (`_tile_kx16`).
 - Q5_K: int8x2, x rounded so and its remainder rounded again, each multiplied in
-  integers (`_tile_vnni`), to about 2^-16 of each block's largest activation: on the
-  Q5_K QKV projections of the Q4_K_M parity test (`tests/gguf/test_adapter.py`) one
-  term costs greedy agreement with the float model, which the second gives back. On
-  AVX-512 BF16 without byte products, x split into bfloat16 hi + lo (`_tile_bf16`).
+  integers, to about 2^-16 of each block's largest activation, sixteen rows at a time
+  too: on the Q5_K QKV projections of the Q4_K_M parity test
+  (`tests/gguf/test_adapter.py`) one term costs greedy agreement with the float model,
+  which the second gives back.
 - Q5_0, Q5_1 and Q8_0: int8x2 against x rounded per block of 32 (`_tile_vnni32`), and
   Q4_0 the same sixteen weight rows at a time (`_tile_q4_0x16`).
 Every type has a float32 path, every weight widened in registers (`_tile`, and the
@@ -60,20 +60,13 @@ is read once, and a packed row is decoded slowly enough that the hardware prefet
 alone keeps too few of its lines in flight to hide memory's latency; a few blocks
 ahead was too close (`docs/performance.md`, "Packed rows ahead")."""
 
-comptime BF16_DOT = CompilationTarget._has_feature["avx512bf16"]()
-"""Whether the CPU has AVX-512 BF16 dot products (Zen 4, Sapphire Rapids; not Ice
-Lake): K-quant rows then multiply in bfloat16 pairs (`_tile_bf16`), else by
-widening every weight to float32 (`_tile`)."""
 comptime VNNI_DOT = CompilationTarget._has_feature["avx512vnni"]()
 """Whether the CPU has AVX-512 VNNI (Zen 4, Cascade Lake and later Xeons): the integer
-dot products then run in 512-bit registers (`_dot8`, `_dot_u8`)."""
+dot products then run in 512-bit registers (`_dot_u8`)."""
 comptime INT8_DOT = VNNI_DOT or CompilationTarget._has_feature["avx2"]()
 """Whether the CPU multiplies bytes in integers at all: with VNNI, or with AVX2's
 vpmaddubsw and vpmaddwd on halves (Zen 2 and 3, Haswell to Skylake), where the
 float32 path widens every weight and streams a third as fast as MAX's kernels."""
-comptime BV = SIMD[DType.bfloat16, 32]
-comptime WV = SIMD[DType.int16, 32]
-comptime BPtr = UnsafePointer[BFloat16, MutUntrackedOrigin]
 
 comptime Q4_0 = 2
 comptime Q5_0 = 6
@@ -287,200 +280,6 @@ def _row[fmt: Int](
             _tile[fmt, rest](x, w, b, y, K, N, m0, n, has_bias)
 
 
-# ---- Q5_K rows through bfloat16 dot products ----------------------------------------
-#
-# (Q4_K and Q6_K rows are grouped sixteen at a time, below, and have no bfloat16 path.)
-# x is split once per call into two bfloat16 halves, hi = bf16(x) and lo = bf16(x - hi),
-# together x to about 2^-17 relative (`_XPrep`). A weight's quant q becomes the bfloat16
-# q - 16 exactly by a table lookup (`_weights`, 16 the middle of q's range), and each
-# product of it with hi or lo is exact in the float32 dot product. Per sub-block
-#     sum_i x_i (d sc q_i - dmin m) = d sc * sum_i x_i (q_i - 16) - (dmin m - 16 d sc) * sum_i x_i
-# so the inner loop is: quants -> bfloat16 (a widen and a lookup per 32 weights), two dot
-# products per input row, one scale FMA per sub-block; the second term is one FMA per
-# block over sums of x shared by every row.
-
-comptime Q5_CENTER = 16
-"""The middle of a Q5_K quant's range."""
-
-
-@always_inline
-def _dot(acc: FV, w: BV, x: BV) -> FV:
-    """acc[l] += w[2l] x[2l] + w[2l+1] x[2l+1] (vdpbf16ps)."""
-    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", FV](acc, w, x)
-
-
-@always_inline
-def _lut() -> WV:
-    """The bfloat16 bits of q - 16 for q in 0..31."""
-    var lo = SIMD[DType.float32, 32](0)
-    comptime for q in range(32):
-        lo[q] = Float32(q - Q5_CENTER)
-    return bitcast[DType.int16, 32](lo.cast[DType.bfloat16]())
-
-
-@always_inline
-def _weights[g: Int](blk: U8Ptr, lut: WV) -> BV:
-    """Weights 32g .. 32g+31 of a Q5_K block as the bfloat16s q - 16 (vpermw): q's low
-    nibbles from bytes 48 + 32 (g / 2) (high nibbles for odd g), bit 4 from bit g of the
-    32 high bytes (see `_decode`)."""
-    var q = (blk + 48 + 32 * (g // 2)).unsafe_load[width=32](0)
-    comptime if g % 2 == 0:
-        q = q & 0xF
-    else:
-        q = q >> 4
-    var h = (blk + 16).unsafe_load[width=32](0)
-    var idx = (q | (((h >> UInt8(g)) & 1) << 4)).cast[DType.int16]()
-    return bitcast[DType.bfloat16, 32](
-        llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](lut, idx)
-    )
-
-
-@always_inline
-def _scales_mins_k4(blk: U8Ptr) -> Tuple[SIMD[DType.uint8, 8], SIMD[DType.uint8, 8]]:
-    """A Q4_K or Q5_K block's 8 sub-block scales and 8 mins (6 bits each), as vectors.
-
-    The 12 bytes after d and dmin (see `_scale_min_k4`): sub-blocks 0-3 hold their low
-    6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7 hold nibbles of bytes 8-11 and take
-    their top 2 bits from the top bits of bytes 0-7.
-    """
-    var q = (blk + 4).unsafe_load[width=16](0)
-    var a = q.slice[4, offset=0]()
-    var m = q.slice[4, offset=4]()
-    var c = q.slice[4, offset=8]()
-    return (
-        (a & 63).join((c & 0xF) | ((a >> 6) << 4)),
-        (m & 63).join((c >> 4) | ((m >> 6) << 4)),
-    )
-
-
-@always_inline
-def _scales(blk: U8Ptr) -> Tuple[FV, FV]:
-    """Per sub-block of a Q5_K block, in the first 8 lanes: (d sc, dmin m - 16 d sc: the
-    coefficient of the sub-block's sum of x, to subtract)."""
-    var sm = _scales_mins_k4(blk)
-    var dsc = sm[0].cast[DType.float32]() * _half(blk)
-    var corr = sm[1].cast[DType.float32]() * _half(blk + 2) - Float32(Q5_CENTER) * dsc
-    return (dsc.join(SIMD[DType.float32, 8](0)), corr.join(SIMD[DType.float32, 8](0)))
-
-
-struct _XPrep:
-    """x[M, K] as bfloat16 halves hi and lo ([M, K] each) and its sums per 32 ([M, K /
-    32], float32)."""
-
-    var hi: BPtr
-    var lo: BPtr
-    var sums: F32Ptr
-
-    def __init__(out self, x: F32Ptr, M: Int, K: Int):
-        self.hi = alloc[BFloat16](M * K, alignment=64)
-        self.lo = alloc[BFloat16](M * K, alignment=64)
-        self.sums = alloc[Float32](M * (K // 32), alignment=64)
-        for i in range(M * K // 16):
-            var h = x.unsafe_load[width=16](16 * i).cast[DType.bfloat16]()
-            self.hi.unsafe_store(16 * i, h)
-            var rest = x.unsafe_load[width=16](16 * i) - h.cast[DType.float32]()
-            self.lo.unsafe_store(16 * i, rest.cast[DType.bfloat16]())
-        for i in range(M * K // 32):
-            var s = x.unsafe_load[width=16](32 * i) + x.unsafe_load[width=16](32 * i + 16)
-            self.sums.unsafe_store(i, s.reduce_add())
-
-    def free(self):
-        self.hi.free()
-        self.lo.free()
-        self.sums.free()
-
-
-@always_inline
-def _add_min_terms[mt: Int](
-    mut corr: Array[SIMD[DType.float32, 8], mt], xp: _XPrep, coeff: FV, K: Int, m0: Int, blk: Int
-):
-    """Adds, per input row m0 + i, each sub-block's min-term coefficient times the row's
-    sum of x over that sub-block."""
-    comptime for i in range(mt):
-        var xs = xp.sums.unsafe_load[width=8]((m0 + i) * (K // 32) + blk * 8)
-        corr[i] = fma(coeff.slice[8](), xs, corr[i])
-
-
-@always_inline
-def _store_tile[mt: Int, na: Int, cw: Int](
-    acc: Array[FV, mt * na], corr: Array[SIMD[DType.float32, cw], mt],
-    b: F32Ptr, y: F32Ptr, N: Int, m0: Int, n: Int, has_bias: Bool,
-):
-    """Sets y[m0 + i, n]: row i's `na` accumulators, less its min terms, plus the bias."""
-    comptime for i in range(mt):
-        var a = acc[na * i]
-        comptime for j in range(1, na):
-            a += acc[na * i + j]
-        var s = a.reduce_add() - corr[i].reduce_add()
-        if has_bias:
-            s += b.unsafe_load(n)
-        y.unsafe_store((m0 + i) * N + n, s)
-
-
-@always_inline
-def _tile_bf16[mt: Int](
-    xp: _XPrep, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
-):
-    """y[m0 : m0+mt, n] for a Q5_K row `n`, through bfloat16 dot products."""
-    comptime BS = block_bytes[Q5_K]()
-    var lut = _lut()
-    var acc = Array[FV, mt * 2](fill=0)
-    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
-    var row = w + n * (K // 256) * BS
-    for blk in range(K // 256):
-        var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
-        var sc = _scales(bp)
-        _add_min_terms[mt](corr, xp, sc[1], K, m0, blk)
-        comptime for g in range(8):
-            var wv = _weights[g](bp, lut)
-            var gs = sc[0].shuffle[g, g, g, g, g, g, g, g, g, g, g, g, g, g, g, g]()
-            comptime for i in range(mt):
-                var o = (m0 + i) * K + blk * 256 + 32 * g
-                var s = _dot(FV(0), wv, xp.hi.unsafe_load[width=32](o))
-                s = _dot(s, wv, xp.lo.unsafe_load[width=32](o))
-                acc[2 * i + g % 2] = fma(s, gs, acc[2 * i + g % 2])
-    _store_tile[mt, 2, 8](acc, corr, b, y, N, m0, n, has_bias)
-
-
-def _packed_bf16(
-    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
-) raises:
-    """Q5_K through bfloat16 dot products."""
-    var xp = _XPrep(x, M, K)
-
-    def row(m_begin: Int, m_end: Int, n: Int) {imm xp, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
-        var m0 = m_begin
-        while m0 + MT <= m_end:
-            _tile_bf16[MT](xp, w, b, y, K, N, m0, n, has_bias)
-            m0 += MT
-        comptime for rest in range(1, MT):
-            if m_end - m0 == rest:
-                _tile_bf16[rest](xp, w, b, y, K, N, m0, n, has_bias)
-
-    _share_rows(row, y, M, N, team, epi)
-    xp.free()
-
-
-# ---- Q5_K rows through 8-bit integer dot products ------------------------------------
-#
-# x is rounded once per call to int8 per block of 256 (`_X8`: x ~ dx q8, dx = max |x| /
-# 127), as ggml's Q8_K does, with the sums dx * sum(q8) per sub-block (the grouped Q4_K
-# and Q6_K paths below round x the same way). A weight's quant q (unsigned, 5 bits) is
-# a byte as it comes out of the block, so per block
-#     sum_i x_i w_i ~ dx (d sum_j sc_j sum_{i in j} q_i q8_i) - sum_j dmin m_j sum_{i in j} dx q8_i
-# The first sum is integer: per 64 weights and input row, vpmaddubsw (u8 x s8 -> pairs
-# summed into i16; 31 * 127 * 2 fits) and vpdpwssd against the sub-blocks' scales as
-# i16 (pairs of i16 products summed into i32): two instructions, the scales applied on
-# the way (vpdpbusd would sum four bytes at once but leave the scales to a float multiply
-# per 64 weights, three instructions). Per block and row one int-to-float FMA by d dx, and
-# one FMA of the dmin m_j by the sums; the bfloat16 path needs 6 instructions per 64 weights.
-# With `terms` 2 the remainder of x's rounding, itself rounded to int8 (`_X8.lo`), goes
-# through the same two instructions into a second accumulator.
-
-
 comptime IV = SIMD[DType.int32, 16]
 comptime QV = SIMD[DType.uint8, 64]
 comptime XV = SIMD[DType.int8, 64]
@@ -493,27 +292,12 @@ def _sub_elems[fmt: Int]() -> Int:
     return 16 if fmt == Q6_K else 32
 
 
-@always_inline
-def _x8_offset[fmt: Int](j: Int) -> Int:
-    """Where group j (0-15) of 16 activations of a block goes in `_X8.q`: natural order,
-    except Q5_K's chunks of 64, which pair sub-blocks 4h + p and 4h + p + 2 (chunk
-    2h + p) as the low (p = 0) or high (p = 1) nibbles of bytes 64h .. 64h+63 hold them
-    (`_quants64`)."""
-    comptime if fmt != Q5_K:
-        return 16 * j
-    else:
-        var sb = j // 2
-        var r = sb % 4
-        return 128 * (sb // 4) + 64 * (r % 2) + 32 * (r // 2) + 16 * (j % 2)
-
-
 comptime X8_SHARED_BLOCKS = 64
 """Blocks of x (of 256 values) from which `_X8` rounds them on every task."""
 
 
 struct _X8[fmt: Int, terms: Int]:
-    """x[M, K] rounded to int8 per block of 256 (`q`, [M, K], chunks in `_x8_offset`'s
-    order), the blocks' scales (`d`, [M, K / 256]) and each sub-block's sum of the
+    """x[M, K] rounded to int8 per block of 256 (`q`, [M, K]), the blocks' scales (`d`, [M, K / 256]) and each sub-block's sum of the
     rounded x (`sums`, [M, K / sub]). With `terms` 2, `lo` ([M, K]) rounds what is left,
     x - d q, on the step d / 254, so that x ~ d (q + lo / 254) to about 2^-16 of the
     block's largest. For Q6_K, `offsets` ([M, K / 16, terms]) is -32 times each
@@ -576,7 +360,7 @@ struct _X8[fmt: Int, terms: Int]:
         comptime for j in range(16):
             var v = src.unsafe_load[width=16](16 * j)
             var q = round(v * inv)
-            var o = 256 * r + _x8_offset[Self.fmt](j)
+            var o = 256 * r + 16 * j
             (q8 + o).unsafe_store(0, q.cast[DType.int8]())
             var s = q.reduce_add() * d
             comptime if Self.fmt == Q6_K:
@@ -605,45 +389,6 @@ struct _X8[fmt: Int, terms: Int]:
 
 
 @always_inline
-def _quants64[c: Int](blk: U8Ptr) -> QV:
-    """Chunk c = 2h + p (0-3) of a Q5_K block's quants as 64 unsigned bytes: sub-blocks
-    4h + p and 4h + p + 2, the low (p = 0) or high nibbles of bytes 48 + 64h .., with
-    bit 4 from the high bytes (bit j of high byte l is bit 4 of weight l of sub-block j)."""
-    comptime h = c // 2
-    comptime p = c % 2
-    var q = (blk + 48 + 64 * h).unsafe_load[width=64](0)
-    comptime if p == 0:
-        q = q & 0xF
-    else:
-        q = q >> 4
-    var qh = (blk + 16).unsafe_load[width=32](0)
-    return q | ((((qh.join(qh >> 2)) >> UInt8(4 * h + p)) & 1) << 4)
-
-
-@always_inline
-def _spread[c: Int](sc: SIMD[DType.int16, 32]) -> SIMD[DType.int16, 32]:
-    """The i16 scale of each lane of vpmaddubsw's result over chunk c = 2h + p (lane k
-    holds weights 2k, 2k+1 of the chunk): sub-block 4h + p + 2 (k / 16), picked from `sc`
-    by vpermw, or without it (no AVX-512) as two halves."""
-    comptime a = 4 * (c // 2) + c % 2
-    comptime if not VNNI_DOT:
-        return SIMD[DType.int16, 16](sc[a]).join(SIMD[DType.int16, 16](sc[a + 2]))
-    var idx = WV(0)
-    comptime for k in range(32):
-        idx[k] = Int16(a + 2 * (k // 16))
-    return llvm_intrinsic["llvm.x86.avx512.permvar.hi.512", WV](sc, idx)
-
-
-@always_inline
-def _dot8(acc: IV, q: QV, x: XV, sc: SIMD[DType.int16, 32]) -> IV:
-    """acc[l] += sum over weights 4l .. 4l+3 of q x times their pair's scale."""
-    comptime if not VNNI_DOT:
-        return acc + _madd_avx2(q, x, sc)
-    var pairs = llvm_intrinsic["llvm.x86.avx512.pmaddubs.w.512", SIMD[DType.int16, 32]](q, x)
-    return llvm_intrinsic["llvm.x86.avx512.vpdpwssd.512", IV](acc, pairs, sc)
-
-
-@always_inline
 def _madd_avx2(u: QV, x: XV, w16: SIMD[DType.int16, 32]) -> IV:
     """Lane l: the sum over bytes 4l .. 4l+3 of u x, each pair of products (summed into
     i16 by vpmaddubsw, which saturates: the callers keep u x + u x within i16) times
@@ -659,67 +404,6 @@ def _madd_avx2(u: QV, x: XV, w16: SIMD[DType.int16, 32]) -> IV:
     var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](lo, w16.slice[16, offset=0]())
     var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](hi, w16.slice[16, offset=16]())
     return a.join(b)
-
-
-@always_inline
-def _tile_vnni[terms: Int, mt: Int](
-    xq: _X8[Q5_K, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    K: Int, N: Int, m0: Int, n: Int, has_bias: Bool,
-):
-    """y[m0 : m0+mt, n] for a Q5_K row `n`, through 8-bit integer dot products."""
-    comptime BS = block_bytes[Q5_K]()
-    var nb = K // 256
-    var acc = Array[FV, mt * 1](fill=0)
-    var corr = Array[SIMD[DType.float32, 8], mt](fill=0)
-    var row = w + n * nb * BS
-    for blk in range(nb):
-        var bp = row + blk * BS
-        prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES)
-        var d = _half(bp)
-        var sm = _scales_mins_k4(bp)
-        var sc = sm[0].cast[DType.int16]().join(SIMD[DType.int16, 8](0)).join(
-            SIMD[DType.int16, 16](0)
-        )
-        var coeff = sm[1].cast[DType.float32]() * _half(bp + 2)
-        var isum = Array[IV, mt * terms](fill=0)
-        comptime for c in range(4):
-            var q = _quants64[c](bp)
-            var s = _spread[c](sc)
-            comptime for i in range(mt):
-                var o = (m0 + i) * K + blk * 256 + 64 * c
-                isum[terms * i] = _dot8(isum[terms * i], q, (xq.q + o).unsafe_load[width=64](0), s)
-                comptime if terms == 2:
-                    var xl = (xq.lo + o).unsafe_load[width=64](0)
-                    isum[2 * i + 1] = _dot8(isum[2 * i + 1], q, xl, s)
-        comptime for i in range(mt):
-            var r = (m0 + i) * nb + blk
-            var ddx = d * xq.d.unsafe_load(r)
-            acc[i] = fma(isum[terms * i].cast[DType.float32](), FV(ddx), acc[i])
-            comptime if terms == 2:
-                acc[i] = fma(isum[2 * i + 1].cast[DType.float32](), FV(ddx / 254), acc[i])
-            var xs = xq.sums.unsafe_load[width=8](r * 8)
-            corr[i] = fma(coeff, xs, corr[i])
-    _store_tile[mt, 1, 8](acc, corr, b, y, N, m0, n, has_bias)
-
-
-def _packed_vnni[terms: Int](
-    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
-) raises:
-    """Q5_K through 8-bit integer dot products, `terms` of x."""
-    var xq = _X8[Q5_K, terms](x, M, K, team)
-
-    def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
-        var m0 = m_begin
-        while m0 + MT <= m_end:
-            _tile_vnni[terms, MT](xq, w, b, y, K, N, m0, n, has_bias)
-            m0 += MT
-        comptime for rest in range(1, MT):
-            if m_end - m0 == rest:
-                _tile_vnni[terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
-
-    _share_rows(row, y, M, N, team, epi)
-    xq.free()
 
 
 # ---- 32-value blocks (Q4_0, Q5_0, Q5_1, Q8_0) through 8-bit integer dot products ----
@@ -1103,24 +787,26 @@ def _packed_q4_0x16[terms: Int](
     xq.free()
 
 
-# ---- Q4_K and Q6_K sixteen rows at a time (`kernels.interleave` lays the blocks out) --
+# ---- The K-quants sixteen rows at a time (`kernels.interleave` lays the blocks out) ---
 #
 # The same grouping for the K-quants: block b of a group holds the 16 rows' float16 d
-# (and Q4_K's dmin), their scales one row a byte lane (Q4_K's 12 packed bytes, Q6_K's
-# 16 int8s), then their quants 4 bytes a row and 32-bit lane, so that each 64-byte
-# vector holds 4 neighbouring weights of every row (a column, `_kx16_col`): Q4_K's
-# nibbles as the file pairs its sub-blocks, Q6_K's 6-bit quants rebuilt from three
-# vectors per four columns (`kernels._q6_k_lanes`). Per sub-block j and input row,
+# (and Q4_K's and Q5_K's dmin), their scales one row a byte lane (Q4_K's and Q5_K's 12
+# packed bytes, Q6_K's 16 int8s), [Q5_K: its 32 bytes of high bits, 4 a row and 32-bit
+# lane,] then their quants 4 bytes a row and lane, so that each 64-byte vector holds 4
+# neighbouring weights of every row (a column, `_kx16_col`): Q4_K's nibbles as the file
+# pairs its sub-blocks, Q5_K's the same with bit 4 from the high bits' vector of those
+# 4 weights, Q6_K's 6-bit quants rebuilt from three vectors per four columns
+# (`kernels._q6_k_lanes`). Per sub-block j and input row,
 # its columns go into one integer sum I_j (vpdpbusd against x's 4 int8s there,
 # broadcast), scaled by the rows' integer scales in one float FMA; per block,
 #     y += d dx sum_j sc_j I_j + sum_j c_j s_j
-# with s_j the sub-block's sum of rounded x (`_X8.sums`) and c_j = -dmin m_j (Q4_K) or
+# with s_j the sub-block's sum of rounded x (`_X8.sums`) and c_j = -dmin m_j (Q4_K, Q5_K) or
 # -32 d sc_j (Q6_K, whose values are d sc (q - 32); on the integer paths its I_j start
 # at -32 times the sub-block's integers instead, `_X8.offsets`, which saves an FMA per
 # row and sub-block). With `terms` 0 the same sums are
 # taken in float32 over x as it is. No bookkeeping is per row: a row's dot product is
 # a lane, so a decode step spends its instructions on the dot products, where a row at
-# a time (`_tile_vnni`) spent as many again on each row's sums and scales.
+# a time spent as many again on each row's sums and scales.
 
 comptime GROUP_PREFETCH = 4 * PREFETCH_BYTES
 """How far ahead of a K-quant group's block its bytes are requested: a group streams
@@ -1150,8 +836,8 @@ def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) ->
 
 
 comptime KX16_STEP[fmt: Int] = 16 if fmt == Q6_K else 2
-"""Sub-blocks a grouped tile takes per trip of its loop over a block: Q4_K's two of a
-pair (the loop's body then fits the decoded-instruction cache, where its eight
+"""Sub-blocks a grouped tile takes per trip of its loop over a block: Q4_K's (and
+Q5_K's) two of a pair (the loop's body then fits the decoded-instruction cache, where its eight
 sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen unrolled
 (the shifts that rebuild its columns then fixed; per pair they cost more than the
 cache saves)."""
@@ -1164,13 +850,18 @@ def _kx16_col[fmt: Int, jj: Int, k: Int](q: U8Ptr, j0: Int) -> QV:
     Q4_K: vector k of pair j / 2, its low (even j) or high nibbles. Q6_K: column
     c = 4j + k is c % 16 = u's L1 (c / 16 = 0, 2) or L2 (1, 3), low or high nibble,
     with bits 2 (c / 16) of u's H above them (shifted in 16-bit lanes: no bit the
-    masks keep crosses a byte)."""
-    comptime if fmt == Q4_K:
+    masks keep crosses a byte). Q5_K: Q4_K's nibble, and bit j of the rows' high bytes
+    4k .. 4k+3 (the 512 bytes before the quants, a unit of 4 a row) as its bit 4."""
+    comptime if fmt == Q4_K or fmt == Q5_K:
         var v = (q + 512 * (j0 // 2 + jj // 2) + 64 * k).unsafe_load[width=64](0)
         comptime if jj % 2 == 0:
-            return v & 0xF
+            v = v & 0xF
         else:
-            return v >> 4
+            v = v >> 4
+        comptime if fmt == Q5_K:
+            var h = bitcast[DType.uint16, 32]((q - 512 + 64 * k).unsafe_load[width=64](0))
+            v = v | bitcast[DType.uint8, 64](((h >> UInt16(j0 + jj)) & 0x0101) << 4)
+        return v
     else:
         var j = j0 + jj
         var a = j // 4
@@ -1183,9 +874,9 @@ def _kx16_col[fmt: Int, jj: Int, k: Int](q: U8Ptr, j0: Int) -> QV:
 
 @always_inline
 def _kx16_scale[fmt: Int](bp: U8Ptr, j: Int) -> Tuple[FV, FV]:
-    """Sub-block j's (sc_j, m_j) of the 16 rows as float32: Q4_K's 6-bit scale and min
-    (see `_scales_mins_k4`, one row a lane), Q6_K's int8 scale (and no min)."""
-    comptime if fmt == Q4_K:
+    """Sub-block j's (sc_j, m_j) of the 16 rows as float32: Q4_K's and Q5_K's 6-bit scale
+    and min (see `_scale_min_k4`, one row a lane), Q6_K's int8 scale (and no min)."""
+    comptime if fmt == Q4_K or fmt == Q5_K:
         var p = bp + 4 * GROUP  # byte i of the 12 at p + 16 i, one row a lane
         var a = (p + GROUP * (j % 4)).unsafe_load[width=GROUP](0)
         var m = (p + GROUP * (j % 4 + 4)).unsafe_load[width=GROUP](0)
@@ -1212,7 +903,7 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     comptime SUB = _sub_elems[fmt]()
     comptime COLS = SUB // 4
     # The rows' d (and dmin) and scales, before the quants (`kernels.FIELDS`).
-    comptime QOFF = GROUP * (16 if fmt == Q4_K else 18)
+    comptime QOFF = GROUP * (16 if fmt == Q4_K else (48 if fmt == Q5_K else 18))
     # Two sums a row and term where there are few rows, so the dot products do not all
     # wait on one chain.
     comptime P = 2 if mt * T < 4 else 1
@@ -1260,7 +951,7 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
                 comptime if not OFFSET_INIT:
                     # Each sub-block's sum of x, times its coefficient (see above).
                     var coeff: FV
-                    comptime if fmt == Q4_K:
+                    comptime if fmt == Q4_K or fmt == Q5_K:
                         coeff = -_halves(bp + 2 * GROUP) * sm[1]
                     else:
                         coeff = -32 * d * sm[0]
@@ -1288,7 +979,7 @@ def _packed_kx16[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
-    """Q4_K or Q6_K in `kernels.interleave`'s layout, with `terms` int8 terms of x, or
+    """A K-quant in `kernels.interleave`'s layout, with `terms` int8 terms of x, or
     (0) in float32; the rows past the last whole group in float32, as the file has them."""
     comptime T = max(terms, 1)
     # Input rows per tile: each column is rebuilt once per tile, so a prefill wants a
@@ -1314,25 +1005,22 @@ def _packed_kx16[fmt: Int, terms: Int](
 
 comptime DOT_AUTO = 0
 comptime DOT_F32 = 1
-comptime DOT_BF16 = 2
-comptime DOT_INT8 = 3
-comptime DOT_INT8X2 = 4
+comptime DOT_INT8 = 2
+comptime DOT_INT8X2 = 3
 
 
 def dot_path[fmt: Int, dot: Int]() -> Int:
     """The arithmetic of every step: for DOT_AUTO the fastest this CPU has for the
     format, at the rounding the format needs; a named one if the CPU and the format have
     it, else float32 (the exact one: a test of a named path then holds wherever it
-    runs). int8 needs bytes multiplied (INT8_DOT); bfloat16 is Q5_K's alone."""
+    runs). int8 needs bytes multiplied (INT8_DOT)."""
     comptime if dot == DOT_AUTO:
         comptime if not INT8_DOT:
-            return DOT_BF16 if BF16_DOT and fmt == Q5_K else DOT_F32
+            return DOT_F32
         # Q4_K and Q6_K round x once, as MAX's kernel and llama.cpp's do; Q5_K's QKV
         # projections need the second term (see above), and the 32-value types keep it.
         return DOT_INT8 if fmt == Q4_K or fmt == Q6_K else DOT_INT8X2
     if (dot == DOT_INT8 or dot == DOT_INT8X2) and INT8_DOT:
-        return dot
-    if dot == DOT_BF16 and BF16_DOT and fmt == Q5_K:
         return dot
     return DOT_F32
 
@@ -1346,17 +1034,11 @@ def packed_matmul[fmt: Int, dot: Int](
     comptime if fmt == Q4_0:
         _packed_q4_0x16[terms](x, w, b, y, M, K, N, has_bias, team, epi)
         return
-    elif fmt == Q4_K or fmt == Q6_K:
+    elif block_elems[fmt]() == 256:
         _packed_kx16[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
         return
     comptime if path == DOT_INT8 or path == DOT_INT8X2:
-        comptime if block_elems[fmt]() == 32:
-            _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
-        else:
-            _packed_vnni[terms](x, w, b, y, M, K, N, has_bias, team, epi)
-        return
-    elif path == DOT_BF16:
-        _packed_bf16(x, w, b, y, M, K, N, has_bias, team, epi)
+        _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
         return
 
     def row(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
