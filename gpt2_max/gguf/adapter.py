@@ -13,8 +13,9 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
   are widened to float32 here (MAX's CPU kernels have no bfloat16).
   Safetensors checkpoints in float16 are widened by their own adapter.
 - Matmul weights of the block types `encodings.PACKED_TYPES` lists stay packed:
-  MAX's `qmatmul` multiplies Q4_0, Q4_K and Q6_K, the package's kernel Q5_K,
-  Q5_0, Q5_1 and Q8_0 (`layers/quantized.py`). MAX's own GGUF reader refuses
+  MAX's `qmatmul` or the package's kernel multiplies Q4_0, Q4_K and Q6_K,
+  whichever `layers/kernel_choice.py` timed the faster on this CPU, the package's
+  alone Q5_K, Q5_0, Q5_1 and Q8_0 (`layers/quantized.py`). MAX's own GGUF reader refuses
   Q5_0, Q5_1 and Q8_0 (its `QuantizationEncoding` has none), so their bytes are
   read through the `gguf` reader MAX opened and travel as `plan.BlockWeightData`.
   Embedding tables are dequantized to float32 at

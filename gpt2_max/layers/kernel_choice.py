@@ -244,22 +244,38 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
 
 
 class OthersBusy:
-    """The share of the CPU's time, from now to `share()`, that processes other than
-    this one kept busy (`psutil`'s system-wide and per-process CPU times)."""
+    """The share of the CPUs' time, from now to `share()`, that processes other than
+    this one kept busy on the CPUs this process may run on (`psutil`'s per-CPU and
+    per-process times; a hypervisor's steal counts as busy, as it slows the timing
+    alike)."""
 
     def __init__(self) -> None:
         self.process = psutil.Process()
+        try:
+            self.cpus = self.process.cpu_affinity()
+        except (AttributeError, psutil.Error):  # no affinity on this system
+            self.cpus = []
         self.start = self._sample()
 
-    def _sample(self) -> tuple[float, float, float]:
-        system, own = psutil.cpu_times(), self.process.cpu_times()
-        idle = system.idle + getattr(system, "iowait", 0.0)
-        return time.monotonic(), sum(system) - idle, own.user + own.system
+    def _sample(self) -> tuple[float, float, float, int]:
+        per_cpu = psutil.cpu_times(percpu=True)
+        if self.cpus and max(self.cpus) < len(per_cpu):
+            per_cpu = [per_cpu[i] for i in self.cpus]
+        own = self.process.cpu_times()
+        busy = sum(_busy_seconds(t) for t in per_cpu)
+        return time.monotonic(), busy, own.user + own.system, len(per_cpu)
 
     def share(self) -> float:
-        (t0, busy0, own0), (t1, busy1, own1) = self.start, self._sample()
-        capacity = (t1 - t0) * (psutil.cpu_count() or 1)
-        return max(0.0, (busy1 - busy0) - (own1 - own0)) / capacity if capacity else 0.0
+        (t0, busy0, own0, _), (t1, busy1, own1, cpus) = self.start, self._sample()
+        capacity = (t1 - t0) * cpus
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / capacity if capacity > 0 else 0.0
+
+
+def _busy_seconds(times) -> float:
+    """A CPU's seconds spent on anything but idling or waiting for I/O (its guest time is
+    already counted in user and nice)."""
+    idle = sum(getattr(times, f, 0.0) for f in ("idle", "iowait", "guest", "guest_nice"))
+    return sum(times) - idle
 
 
 def request_cost(ms: dict[str, float]) -> float:

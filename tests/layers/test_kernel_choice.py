@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections import namedtuple
 from types import SimpleNamespace
 
 import numpy as np
@@ -195,7 +196,7 @@ def test_a_drafts_block_weighs_its_decode_steps_and_a_served_models_the_request(
         assert all(layers.work_of(n) == ("block" if fused else work) for n in names)
 
 
-def test_a_block_with_a_type_max_has_no_kernel_for_is_one_op_whatever_the_rest_get(
+def test_a_q5_k_block_is_one_op_and_a_mixed_one_follows_its_types_max_has_a_kernel_for(
     fresh, monkeypatch
 ):
     """Q5_K (no MAX kernel) in a block of Q4_K weights that MAX's kernel serves sooner:
@@ -232,6 +233,27 @@ def test_the_measurement_picks_by_the_request_then_the_decode_step():
     assert picked.kernel == expected
     assert "measured" in picked.why
     assert 0 <= picked.busy < 1
+
+
+def test_others_busy_counts_the_cpus_this_process_may_use_less_its_own_time(monkeypatch):
+    """Of two CPUs this process may run on (a third is not its), over 2 s: 3.2 s busy,
+    1.0 s of it this process's, 0.5 s guest time already inside user: 2.2 of 4 CPU
+    seconds went to other processes."""
+    cpu = namedtuple("cpu", "user nice system idle iowait guest guest_nice")
+    samples = iter([
+        [cpu(10, 0, 5, 100, 1, 0, 0), cpu(20, 0, 5, 90, 0, 0, 0), cpu(0, 0, 0, 500, 0, 0, 0)],
+        [cpu(11.5, 0, 5.3, 100.2, 1, 0.5, 0), cpu(21.4, 0, 5, 90.6, 0.1, 0, 0),
+         cpu(9, 0, 0, 500, 0, 0, 0)],
+    ])
+    clock = iter([50.0, 52.0])
+    own = iter([SimpleNamespace(user=3.0, system=1.0), SimpleNamespace(user=3.8, system=1.2)])
+    process = SimpleNamespace(cpu_affinity=lambda: [0, 1], cpu_times=lambda: next(own))
+    monkeypatch.setattr(kernel_choice.psutil, "Process", lambda: process)
+    monkeypatch.setattr(kernel_choice.psutil, "cpu_times", lambda percpu: next(samples))
+    monkeypatch.setattr(kernel_choice.time, "monotonic", lambda: next(clock))
+    busy = kernel_choice.OthersBusy()
+    # busy: CPU 0 +1.5 user +0.3 system (the 0.5 guest is inside user), CPU 1 +1.4 user.
+    assert busy.share() == pytest.approx((3.2 - 1.0) / 4)
 
 
 @pytest.mark.tier("model")

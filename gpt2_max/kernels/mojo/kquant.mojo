@@ -9,7 +9,8 @@ regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
 of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`share.share_out`: each task
 streams a band, then takes over what is left of the others'); each block is decoded
-once per tile of up to `MT` input rows (8 for a grouped K-quant) and multiplied into
+once per tile of up to `MT` input rows (a grouped K-quant: 8 with one int8 term, 4
+with two) and multiplied into
 per-row accumulators while its bytes are in L1. Many rows (a prefill) take the same
 path in chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a
 kernel that decodes a band once for all rows, but every row count runs one
@@ -297,10 +298,10 @@ comptime X8_SHARED_BLOCKS = 64
 
 
 struct _X8[fmt: Int, terms: Int]:
-    """x[M, K] rounded to int8 per block of 256 (`q`, [M, K]), the blocks' scales (`d`, [M, K / 256]) and each sub-block's sum of the
-    rounded x (`sums`, [M, K / sub]). With `terms` 2, `lo` ([M, K]) rounds what is left,
-    x - d q, on the step d / 254, so that x ~ d (q + lo / 254) to about 2^-16 of the
-    block's largest. For Q6_K, `offsets` ([M, K / 16, terms]) is -32 times each
+    """x[M, K] rounded to int8 per block of 256 (`q`, [M, K]), the blocks' scales (`d`,
+    [M, K / 256]) and each sub-block's sum of the rounded x (`sums`, [M, K / sub]). With
+    `terms` 2, `lo` ([M, K]) rounds what is left, x - d q, on the step d / 254, so that
+    x ~ d (q + lo / 254) to about 2^-16 of the block's largest. For Q6_K, `offsets` ([M, K / 16, terms]) is -32 times each
     sub-block's sum of each term's integers, where the grouped tiles start its integer
     sums: Q6_K's values are q - 32, and the offset's share then costs nothing per row."""
 
@@ -837,8 +838,8 @@ def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) ->
 
 comptime KX16_STEP[fmt: Int] = 16 if fmt == Q6_K else 2
 """Sub-blocks a grouped tile takes per trip of its loop over a block: Q4_K's (and
-Q5_K's) two of a pair (the loop's body then fits the decoded-instruction cache, where its eight
-sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen unrolled
+Q5_K's) two of a pair (the loop's body then fits the decoded-instruction cache, where
+its eight sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen unrolled
 (the shifts that rebuild its columns then fixed; per pair they cost more than the
 cache saves)."""
 
@@ -907,8 +908,8 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     # Two sums a row and term where there are few rows, so the dot products do not all
     # wait on one chain.
     comptime P = 2 if mt * T < 4 else 1
-    # Q6_K's offset starts the integer sums (`_X8.offsets`); Q4_K's mins, and the
-    # float32 path's offset, are added per sub-block below.
+    # Q6_K's offset starts the integer sums (`_X8.offsets`); Q4_K's and Q5_K's mins,
+    # and the float32 path's offset, are added per sub-block below.
     comptime OFFSET_INIT = fmt == Q6_K and terms > 0
     var nb = K // 256
     var acc = Array[FV, mt](fill=0)

@@ -124,7 +124,7 @@ def _run_packed[fmt: Int, dot: Int](
 @extensibility.register("gpt2_packed_linear")
 struct PackedLinear:
     """y[M, N] = x[M, K] @ dequant(w)[N, K]^T + b[N], `w` GGUF blocks of GGML type
-    `fmt` as the file stores them (see `kquant.mojo`)."""
+    `fmt` as `kernels.interleave` lays them out (see `kquant.mojo`)."""
 
     @staticmethod
     def execute[fmt: Int, dot: Int, target: StaticString](
