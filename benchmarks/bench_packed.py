@@ -85,15 +85,19 @@ def main() -> None:
         print(f"{encoding:6} {name:9} {nbytes / 1e6:6.1f} {med * 1e3:10.3f} "
               f"{nbytes / med / 1e9:6.1f} {best * 1e3:8.3f} {nbytes / best / 1e9:6.1f}")
     print("The model's kernel for each type on this CPU (layers/kernel_choice.py), for a")
-    print("served request's weights, for those multiplying a few rows a step (a")
-    print("last-token LM head, a draft) and for a block's projections:")
+    print("served request's weights and for those multiplying a few rows a step (a")
+    print("last-token LM head, a draft), and whether a block of the type is one op:")
     for encoding in args.types.split(","):
         if encoding not in BLOCK_FLAGS:
-            print(f"  {encoding} weights: package's kernel (MAX has none for {encoding})")
+            print(f"  {encoding} weights: package's kernel (MAX has none for {encoding}); "
+                  "a block one op")
             continue
         choice = kernel_choice.choice(encoding)
-        for work in kernel_choice.WORK:
+        for work in ("request", "decode"):
             print(f"  {choice.describe(encoding, work)}")
+        how = {True: "one op", False: "composed on MAX's kernel"}
+        print(f"  {encoding} blocks: {how[choice.one_op('request')]} in a served model, "
+              f"{how[choice.one_op('decode')]} in a draft")
 
 
 if __name__ == "__main__":

@@ -126,10 +126,7 @@ class Choice:
 
     def describe(self, encoding: str, work: str = "request") -> str:
         if work == "block":
-            how = ("one op, the package's kernel inside it" if self.one_op("request")
-                   else "composed of its ops on MAX's kernel: " + (
-                       "MAX's serves the request sooner" if self.ms else self.why))
-            return f"{encoding} weights of a block: {how}"
+            return f"{encoding} weights of a block: one op, the package's kernel inside it"
         if work == "request" or not self.ms:
             return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
         ms = {k: m["decode"] for k, m in self.ms.items()}
