@@ -10,14 +10,13 @@ At a few rows a step costs the bytes of `W`, so its rows are streamed once, in c
 of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`share.share_out`: each task
 streams a band, then takes over what is left of the others'); each block is decoded
 once per tile of up to `MT` input rows (a grouped K-quant: 8 with one int8 term, 4
-with two) and multiplied into
-per-row accumulators while its bytes are in L1. Many rows (a prefill) take the same
-path in chunks of `MC` rows, so each weight row is decoded M / MT times: slower than a
-kernel that decodes a band once for all rows, but every row count runs one
-arithmetic, and a request's rows come out bit for bit the same whatever they are
-batched with (a decode row beside another request's prefill chunk, or alone). With
-activations rounded to int8 a prefill-only arithmetic would change a batched
-request's tokens.
+with two) and multiplied into per-row accumulators while its bytes are in L1. Many
+rows (a prefill) take the same path in chunks of `MC` rows, so each weight row is
+decoded M / MT times: slower than a kernel that decodes a band once for all rows,
+but every row count runs one arithmetic, and a request's rows come out bit for bit
+the same whatever they are batched with (a decode row beside another request's
+prefill chunk, or alone). With activations rounded to int8 a prefill-only
+arithmetic would change a batched request's tokens.
 
 The arithmetic (`dot_path`; the ops' `dot` parameter names one for tests and
 benchmarks, DOT_AUTO is what the model runs), where the CPU multiplies bytes
@@ -301,9 +300,10 @@ struct _X8[fmt: Int, terms: Int]:
     """x[M, K] rounded to int8 per block of 256 (`q`, [M, K]), the blocks' scales (`d`,
     [M, K / 256]) and each sub-block's sum of the rounded x (`sums`, [M, K / sub]). With
     `terms` 2, `lo` ([M, K]) rounds what is left, x - d q, on the step d / 254, so that
-    x ~ d (q + lo / 254) to about 2^-16 of the block's largest. For Q6_K, `offsets` ([M, K / 16, terms]) is -32 times each
-    sub-block's sum of each term's integers, where the grouped tiles start its integer
-    sums: Q6_K's values are q - 32, and the offset's share then costs nothing per row."""
+    x ~ d (q + lo / 254) to about 2^-16 of the block's largest. For Q6_K, `offsets`
+    ([M, K / 16, terms]) is -32 times each sub-block's sum of each term's integers,
+    where the grouped tiles start its integer sums: Q6_K's values are q - 32, and the
+    offset's share then costs nothing per row."""
 
     var q: I8Ptr
     var lo: I8Ptr
@@ -390,20 +390,21 @@ struct _X8[fmt: Int, terms: Int]:
 
 
 @always_inline
-def _madd_avx2(u: QV, x: XV, w16: SIMD[DType.int16, 32]) -> IV:
-    """Lane l: the sum over bytes 4l .. 4l+3 of u x, each pair of products (summed into
-    i16 by vpmaddubsw, which saturates: the callers keep u x + u x within i16) times
-    its lane of `w16`; AVX2's 256-bit instructions on each half."""
+def _madd_avx2(u: QV, x: XV) -> IV:
+    """Lane l: the sum over bytes 4l .. 4l+3 of u x, the pairs of products summed into
+    i16 by vpmaddubsw (which saturates: the callers keep u x + u x within i16), then
+    into i32 by vpmaddwd against ones; AVX2's 256-bit instructions on each half."""
     comptime H = SIMD[DType.int16, 16]
     comptime I = SIMD[DType.int32, 8]
+    comptime ones = H(1)
     var lo = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
         u.slice[32, offset=0](), x.slice[32, offset=0]()
     )
     var hi = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
         u.slice[32, offset=32](), x.slice[32, offset=32]()
     )
-    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](lo, w16.slice[16, offset=0]())
-    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](hi, w16.slice[16, offset=16]())
+    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](lo, ones)
+    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](hi, ones)
     return a.join(b)
 
 
@@ -528,12 +529,11 @@ def _dot_u8[fmt: Int](acc: IV, u: QV, x: XV) -> IV:
     u up to 255, so its bytes come signed (`_unsigned32`) and multiply as ggml's AVX2
     kernels do: |w| by x with w's sign."""
     comptime if not VNNI_DOT:
-        comptime ones = SIMD[DType.int16, 32](1)
         comptime if fmt == Q8_0:
             var w = bitcast[DType.int8, 64](u)
             var sx = w.lt(0).select(-x, x)
-            return acc + _madd_avx2(bitcast[DType.uint8, 64](abs(w)), sx, ones)
-        return acc + _madd_avx2(u, x, ones)
+            return acc + _madd_avx2(bitcast[DType.uint8, 64](abs(w)), sx)
+        return acc + _madd_avx2(u, x)
     return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", IV](acc, u, x)
 
 
@@ -839,9 +839,9 @@ def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) ->
 comptime KX16_STEP[fmt: Int] = 16 if fmt == Q6_K else 2
 """Sub-blocks a grouped tile takes per trip of its loop over a block: Q4_K's (and
 Q5_K's) two of a pair (the loop's body then fits the decoded-instruction cache, where
-its eight sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen unrolled
-(the shifts that rebuild its columns then fixed; per pair they cost more than the
-cache saves)."""
+its eight sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen
+unrolled (the shifts that rebuild its columns then fixed; per pair they cost more
+than the cache saves)."""
 
 
 @always_inline
