@@ -24,8 +24,13 @@ step, and the LM head of a model returning last-token logits, which multiplies e
 sequence's last rows alone, at a prefill as at a decode step (`WeightPlan.work_of`).
 A block whose projections are all packed runs as one op on the package's kernel
 (`layers.fast.FusedBlock`, "block") unless MAX's is faster by `MARGIN` at the block's
-work (`Choice.one_op`: a served model's request, a draft's decode step): the op saves
-the boundaries of the dozen ops a composed block has, so a level goes to it.
+work (`Choice.one_op`: a served model's request, a draft's decode step). Inside the
+op its projections are not ops of their own, so they do not pay what an op costs a
+one-row step beyond its bytes (the worker that launches it while the other waits):
+the same measurement times the package's chain cut into twice the ops, and the
+difference per op (`Choice.op_ms`) is taken off the package's side: a CPU where
+MAX's kernel streams a little faster still runs its blocks as one op, and only one
+where it is faster by more than those boundaries composes them.
 
 A measurement is only as good as the CPU it had: one taken while other processes
 kept the cores busy (a second server starting, a test run beside it) can pick the
@@ -83,6 +88,12 @@ WORK = ("request", "decode", "block")
 prefill chunks), a few rows a step alone (a draft's weights, a last-token head), or a
 block's projections where the block runs as one op (`layers.fast.FusedBlock`, the
 package's kernel inside it: `one_op`)."""
+CUT = "cut"
+"""The package's chain with each projection cut in two (the same bytes in twice the ops),
+timed at one row beside the others: what an op's boundary costs (`Choice.op_ms`)."""
+FORMAT = 2
+"""The measurement's version, part of the cache's key: choices a former one kept (without
+`Choice.op_ms`) are measured again."""
 BUSY_LIMIT = 0.1
 """The share of the CPU's time other processes may take while `measure` times, for its
 choice to be kept (`Choice.busy`)."""
@@ -100,6 +111,9 @@ class Choice:
     why: str = ""
     busy: float = 0.0
     """The share of the CPU's time that other processes took while the chains ran."""
+    op_ms: float = 0.0
+    """What one more op of the package's kernel costs a one-row chain, milliseconds: the
+    cut chain's time (`CUT`) less the whole one's, per op it adds."""
 
     def kernel_for(self, work: str) -> str:
         """The kernel for `work` (`WORK`): the request's choice; for "decode" the faster
@@ -115,14 +129,22 @@ class Choice:
         """Whether a block whose packed weights are this type runs as one op on the
         package's kernel, rather than composed of its ops on MAX's, for `work`'s steps
         ("request": `REQUEST`'s; "decode": a draft's one-row steps alone): unless MAX's
-        kernel is faster at them by `MARGIN`, since the op saves the boundaries of the
-        dozen ops a composed block has (`docs/performance.md`, "One op a block")."""
+        kernel is faster at them by `MARGIN` than the package's inside the op
+        (`in_block`), whose projections are not ops of their own (`docs/performance.md`,
+        "One op a block")."""
         if not self.ms:
             return self.kernel == "package"
+        inside = self.in_block()
         if work == "decode":
-            return not faster(self.ms["max"]["decode"], self.ms["package"]["decode"])
-        cost = {k: request_cost(self.ms[k]) for k in KERNELS}
-        return not faster(cost["max"], cost["package"])
+            return not faster(self.ms["max"]["decode"], inside["decode"])
+        return not faster(request_cost(self.ms["max"]), request_cost(inside))
+
+    def in_block(self) -> dict[str, float]:
+        """The package's chain times without its ops' boundaries at one row (`op_ms` each),
+        as its projections run inside a one-op block; a prefill's are kept whole, the
+        boundaries being a small part of a 64-row op's time."""
+        package = self.ms["package"]
+        return package | {"decode": max(0.0, package["decode"] - 2 * LAYERS * self.op_ms)}
 
     def describe(self, encoding: str, work: str = "request") -> str:
         if work == "block":
@@ -182,7 +204,9 @@ def choice(encoding: str) -> Choice:
 def cache_file() -> Path:
     """Where this CPU's choices are kept: named by the CPU's model and features, MAX's
     version and the package's kernel sources, so any of them changing measures again."""
-    key = "\0".join((cpu_identity(), version("max"), source_hash(kernels.MOJO_PACKAGE)))
+    key = "\0".join(
+        (cpu_identity(), version("max"), source_hash(kernels.MOJO_PACKAGE), str(FORMAT))
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return max_cache_dir() / PACKAGE / f"packed-kernels-{digest}.json"
 
@@ -211,27 +235,36 @@ def _read(path: Path) -> dict:
 
 def measure(encoding: str, *, rounds: int = 3) -> Choice:
     """Times both kernels on `LAYERS` MLP pairs of random `encoding` weights and picks
-    one by `REQUEST`'s cost (decode steps plus prefill chunks)."""
+    one by `REQUEST`'s cost (decode steps plus prefill chunks); times the package's on
+    the same bytes in twice the ops too (`CUT`: MLPs half as wide), at one row, for
+    what an op's boundary costs (`Choice.op_ms`)."""
     # Packed weights come only from GGUF files, so the room that reads them is here
     # whenever this runs; imported here so a copy without it still loads these layers.
     from ..gguf.quants import quantize
 
     rng = np.random.default_rng(0)
     qtype = GGMLQuantizationType[encoding.upper()]
-    pair = [quantize(rng.standard_normal(s, dtype=np.float32), qtype) for s in ((FF, D), (D, FF))]
-    blocks = [pair[i % 2].copy() for i in range(2 * LAYERS)]
+
+    def mlps(ff: int, count: int) -> list[np.ndarray]:
+        pair = [quantize(rng.standard_normal(s, dtype=np.float32), qtype)
+                for s in ((ff, D), (D, ff))]
+        return [pair[i % 2].copy() for i in range(2 * count)]
+
+    blocks = mlps(FF, LAYERS)
     weights = {k: held(encoding, k, blocks) for k in KERNELS}
+    weights[CUT] = held(encoding, "package", mlps(FF // 2, 2 * LAYERS))
     session = InferenceSession(devices=[CPU()])
-    models = {k: session.load(chain(encoding, k, weights[k])) for k in KERNELS}
+    models = {k: session.load(chain(encoding, "max" if k == "max" else "package", w))
+              for k, w in weights.items()}
     shapes = {"decode": 1, "prefill": PREFILL_ROWS}
     inputs = {
         (k, s): [Buffer.from_numpy(rng.standard_normal((rows, D), dtype=np.float32))]
         + [Buffer.from_numpy(w) for w in weights[k]]
-        for k in KERNELS for s, rows in shapes.items()
+        for k in weights for s, rows in shapes.items() if k != CUT or s == "decode"
     }
     times: dict = {key: [] for key in inputs}
     busy = OthersBusy()
-    for _ in range(rounds):  # alternating, so drift on a shared machine hits both alike
+    for _ in range(rounds):  # alternating, so drift on a shared machine hits all alike
         for (k, s), buffers in inputs.items():
             model = models[k]
             model.execute(*buffers)
@@ -239,8 +272,10 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
                 start = time.perf_counter()
                 model.execute(*buffers)
                 times[k, s].append(time.perf_counter() - start)
-    ms = {k: {s: statistics.median(times[k, s]) * 1e3 for s in shapes} for k in KERNELS}
-    return replace(pick(ms), busy=busy.share())
+    median = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+    ms = {k: {s: median[k, s] for s in shapes} for k in KERNELS}
+    op_ms = max(0.0, median[CUT, "decode"] - ms["package"]["decode"]) / (2 * LAYERS)
+    return replace(pick(ms), busy=busy.share(), op_ms=op_ms)
 
 
 class OthersBusy:

@@ -173,6 +173,29 @@ def test_a_block_is_one_op_unless_maxs_kernel_serves_the_request_sooner(
     assert all(layers.linear(n, 768, 768).max_kernel for n in names)
 
 
+@pytest.mark.parametrize(("op_ms", "fused"), [(0.02, True), (0.005, False), (0.0, False)])
+def test_a_block_is_one_op_where_the_ops_boundaries_outweigh_maxs_lead(op_ms, fused):
+    """MAX's kernel serves the request 18% sooner and steps one row 25% faster than
+    the package's chain of ops; inside one op, without 48 boundaries of `op_ms` each, the
+    package's is within the margin at 0.02 ms an op and still behind at 0.005."""
+    picked = dataclasses.replace(kernel_choice.pick(chains((4.0, 30.0), (5.0, 33.0))), op_ms=op_ms)
+    assert picked.kernel == "max"
+    inside = picked.in_block()
+    assert inside == {"decode": pytest.approx(5.0 - 2 * kernel_choice.LAYERS * op_ms),
+                      "prefill": 33.0}
+    assert picked.one_op("request") is fused
+    assert picked.one_op("decode") is fused
+    assert picked.kernel_for("request") == "max"  # composed, a weight takes MAX's
+
+
+def test_a_former_measurements_cache_is_not_read(monkeypatch):
+    """Choices kept by a measurement without `op_ms` would decide blocks as before it:
+    the measurement's version is in the cache's name."""
+    path = kernel_choice.cache_file()
+    monkeypatch.setattr(kernel_choice, "FORMAT", kernel_choice.FORMAT - 1)
+    assert kernel_choice.cache_file() != path
+
+
 @pytest.mark.parametrize(("max_ms", "package_ms", "request_op", "draft_op"), [
     # MAX's serves the request sooner, the package's steps one row faster.
     ((5.4, 35.0), (4.8, 100.0), False, True),
@@ -233,6 +256,8 @@ def test_the_measurement_picks_by_the_request_then_the_decode_step():
     assert picked.kernel == expected
     assert "measured" in picked.why
     assert 0 <= picked.busy < 1
+    # An op's boundary: the cut chain's extra time per op, less than a whole op's time.
+    assert 0 <= picked.op_ms < picked.ms["package"]["decode"] / (2 * kernel_choice.LAYERS)
 
 
 def test_others_busy_counts_the_cpus_this_process_may_use_less_its_own_time(monkeypatch):
