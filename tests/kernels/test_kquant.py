@@ -40,9 +40,9 @@ ROUNDED = {"int8": 1, "int8x2": 254}
 than one int8 step per block their rounding is ("int8x2" rounds the remainder again).
 The every-shape test runs each, the served model "auto": `AUTO`'s on a CPU that
 multiplies bytes (`kquant.dot_path`), float32 on one that does not."""
-AUTO = {"q4_k": "int8", "q6_k": "int8"}
-"""What "auto" rounds as, where not "int8x2": Q4_K and Q6_K round x once, as MAX's
-kernel and llama.cpp's do."""
+AUTO = {"q4_k": "int8", "q6_k": "int8", "q4_0": "int8"}
+"""What "auto" rounds as, where not "int8x2": Q4_K, Q6_K and Q4_0 round x once, as
+MAX's kernel and llama.cpp's do."""
 
 
 def rounding(x: np.ndarray, w: np.ndarray, encoding: str, dot: str) -> np.ndarray | float:

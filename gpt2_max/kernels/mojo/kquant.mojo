@@ -9,7 +9,7 @@ regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
 of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`share.share_out`: each task
 streams a band, then takes over what is left of the others'); each block is decoded
-once per tile of up to `MT` input rows (a grouped K-quant: 8 with one int8 term, 4
+once per tile of up to `MT` input rows (a grouped tile: 8 with one int8 term, 4
 with two) and multiplied into per-row accumulators while its bytes are in L1. Many
 rows (a prefill) take the same path in chunks of `MC` rows, so each weight row is
 decoded M / MT times: slower than a kernel that decodes a band once for all rows,
@@ -29,8 +29,10 @@ products on the CPUs without AVX-512, Zen 2 and 3 among them):
   too: on the Q5_K QKV projections of the Q4_K_M parity test
   (`tests/gguf/test_adapter.py`) one term costs greedy agreement with the float model,
   which the second gives back.
-- Q5_0, Q5_1 and Q8_0: int8x2 against x rounded per block of 32 (`_tile_vnni32`), and
-  Q4_0 the same sixteen weight rows at a time (`_tile_q4_0x16`).
+- Q4_0: int8 against x rounded once per block of 32 (`_X8S`), as llama.cpp's Q8_0
+  activations, sixteen weight rows at a time (`_tile_q4_0x16`).
+- Q5_0, Q5_1 and Q8_0: int8x2 against x rounded so and its remainder again, a row at
+  a time (`_tile_vnni32`).
 Every type has a float32 path, every weight widened in registers (`_tile`, and the
 grouped tiles with `terms` 0), for a CPU without AVX2.
 
@@ -766,15 +768,17 @@ def _packed_q4_0x16[terms: Int](
     """Q4_0 in `kernels.interleave`'s layout, with `terms` int8 terms of x, or (0) in
     float32."""
     comptime T = max(terms, 1)
+    # Input rows per tile, as the K-quants' (`_packed_kx16`).
+    comptime QMT = 8 // T
     # x rounded for the integer paths; the float32 one reads x as it is.
     var xq = _X8S[Q4_0, T](x, M if terms else 0, K)
 
     def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         var m0 = m_begin
-        while m0 + MT <= m_end:
-            _group_q4_0x16[terms, MT](xq, x, w, b, y, K, N, m0, g, has_bias)
-            m0 += MT
-        comptime for rest in range(1, MT):
+        while m0 + QMT <= m_end:
+            _group_q4_0x16[terms, QMT](xq, x, w, b, y, K, N, m0, g, has_bias)
+            m0 += QMT
+        comptime for rest in range(1, QMT):
             if m_end - m0 == rest:
                 _group_q4_0x16[terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
 
@@ -1018,9 +1022,10 @@ def dot_path[fmt: Int, dot: Int]() -> Int:
     comptime if dot == DOT_AUTO:
         comptime if not INT8_DOT:
             return DOT_F32
-        # Q4_K and Q6_K round x once, as MAX's kernel and llama.cpp's do; Q5_K's QKV
-        # projections need the second term (see above), and the 32-value types keep it.
-        return DOT_INT8 if fmt == Q4_K or fmt == Q6_K else DOT_INT8X2
+        # Q4_K, Q6_K and Q4_0 round x once, as MAX's kernel and llama.cpp's do (Q4_0's
+        # per block of 32, as ggml's Q8_0 activations); Q5_K's QKV projections need the
+        # second term (see above), and Q5_0, Q5_1 and Q8_0 keep it.
+        return DOT_INT8 if fmt == Q4_K or fmt == Q6_K or fmt == Q4_0 else DOT_INT8X2
     if (dot == DOT_INT8 or dot == DOT_INT8X2) and INT8_DOT:
         return dot
     return DOT_F32
