@@ -282,6 +282,9 @@ def measure(
             **verdicts(hf, prompts, [o["tokens"] for o in ours]),
         }
         for key, tok_s in (paired or {}).items():
+            if key.startswith("no_repack:"):  # a marker (`attempt`), not a figure
+                row[name][f"paired_{key}"] = True
+                continue
             row[name][f"paired_{key}_tok_s"] = tok_s
             row[name][f"max_over_paired_{key}"] = row[name]["max_tok_s"] / tok_s
         if theirs:
@@ -468,7 +471,8 @@ def print_tool_rows(result: dict) -> None:
         for key, tool in PAIRED_TOOLS.items():
             if all(f"max_over_paired_{key}" in r.get(PAIRED_SCENARIO, {}) for r in runs):
                 pair = median_pair(runs, key)
-                row(label, PAIRED_SCENARIO, pair["max_tok_s"], f"{tool}, median pair",
+                how = " (no repack)" if pair.get(f"paired_no_repack:{key}") else ""
+                row(label, PAIRED_SCENARIO, pair["max_tok_s"], f"{tool}, median pair{how}",
                     pair[f"paired_{key}_tok_s"])
 
 

@@ -640,6 +640,10 @@ def _packed_vnni32[fmt: Int, terms: Int](
 
 comptime GROUP = 16
 """Weight rows read together by the grouped tiles, one a lane."""
+comptime GROUP_MT[terms: Int] = 8 // terms
+"""Input rows per grouped tile with `terms` int8 terms of x (1 on the float32 path):
+each column is rebuilt once per tile, so a prefill wants a tall one; 8 sums of one
+term, or 4 of two, still fit the registers."""
 
 
 @always_inline
@@ -768,8 +772,7 @@ def _packed_q4_0x16[terms: Int](
     """Q4_0 in `kernels.interleave`'s layout, with `terms` int8 terms of x, or (0) in
     float32."""
     comptime T = max(terms, 1)
-    # Input rows per tile, as the K-quants' (`_packed_kx16`).
-    comptime QMT = 8 // T
+    comptime QMT = GROUP_MT[T]
     # x rounded for the integer paths; the float32 one reads x as it is.
     var xq = _X8S[Q4_0, T](x, M if terms else 0, K)
 
@@ -987,9 +990,7 @@ def _packed_kx16[fmt: Int, terms: Int](
     """A K-quant in `kernels.interleave`'s layout, with `terms` int8 terms of x, or
     (0) in float32; the rows past the last whole group in float32, as the file has them."""
     comptime T = max(terms, 1)
-    # Input rows per tile: each column is rebuilt once per tile, so a prefill wants a
-    # tall one; 8 sums of one term, or 4 of two, still fit the registers.
-    comptime KMT = 8 // T
+    comptime KMT = GROUP_MT[T]
     var xq = _X8[fmt, T](x, M if terms else 0, K, team)
 
     def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
