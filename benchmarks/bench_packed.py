@@ -96,10 +96,11 @@ def main() -> None:
         for work in ("request", "decode"):
             print(f"  {choice.describe(encoding, work)}")
         how = {True: "one op", False: "composed on MAX's kernel"}
+        boundaries = (f" (an op of the package's kernel costs a one-row step "
+                      f"{choice.op_ms * 1e3:.0f} us beyond its bytes, which the decision "
+                      "takes off its projections inside the op)" if choice.ms else "")
         print(f"  {encoding} blocks: {how[choice.one_op('request')]} in a served model, "
-              f"{how[choice.one_op('decode')]} in a draft (an op of the package's kernel "
-              f"costs a one-row step {choice.op_ms * 1e3:.0f} us beyond its bytes; the "
-              "op's projections pay none)")
+              f"{how[choice.one_op('decode')]} in a draft{boundaries}")
 
 
 if __name__ == "__main__":

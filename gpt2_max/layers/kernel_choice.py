@@ -25,12 +25,12 @@ sequence's last rows alone, at a prefill as at a decode step (`WeightPlan.work_o
 A block whose projections are all packed runs as one op on the package's kernel
 (`layers.fast.FusedBlock`, "block") unless MAX's is faster by `MARGIN` at the block's
 work (`Choice.one_op`: a served model's request, a draft's decode step). Inside the
-op its projections are not ops of their own, so they do not pay what an op costs a
-one-row step beyond its bytes (the worker that launches it while the other waits):
-the same measurement times the package's chain cut into twice the ops, and the
-difference per op (`Choice.op_ms`) is taken off the package's side: a CPU where
-MAX's kernel streams a little faster still runs its blocks as one op, and only one
-where it is faster by more than those boundaries composes them.
+op its projections are not ops of their own, so they do not pay what cutting a
+one-row stream into one more op costs beyond its bytes: the same measurement times
+the package's chain cut into twice the ops, and the difference per op
+(`Choice.op_ms`) is taken off the package's side. A CPU where MAX's kernel streams a
+little faster still runs its blocks as one op, and only one where it is faster by
+more than those boundaries composes them.
 
 A measurement is only as good as the CPU it had: one taken while other processes
 kept the cores busy (a second server starting, a test run beside it) can pick the
@@ -99,6 +99,8 @@ BUSY_LIMIT = 0.1
 choice to be kept (`Choice.busy`)."""
 LAYERS = 24
 """(768 -> 3072 -> 768) pairs timed: 64 MB of Q4_K, past a 32 MiB L3."""
+CHAIN_OPS = 2 * LAYERS
+"""The ops of a chain timed, one a projection."""
 D, FF = 768, 3072
 
 
@@ -113,7 +115,9 @@ class Choice:
     """The share of the CPU's time that other processes took while the chains ran."""
     op_ms: float = 0.0
     """What one more op of the package's kernel costs a one-row chain, milliseconds: the
-    cut chain's time (`CUT`) less the whole one's, per op it adds."""
+    cut chain's time (`CUT`) less the whole one's, per op it adds; 0 where that is not
+    less than a whole op's time (a measurement noise broke, which must not make the
+    package's projections free)."""
 
     def kernel_for(self, work: str) -> str:
         """The kernel for `work` (`WORK`): the request's choice; for "decode" the faster
@@ -144,11 +148,14 @@ class Choice:
         as its projections run inside a one-op block; a prefill's are kept whole, the
         boundaries being a small part of a 64-row op's time."""
         package = self.ms["package"]
-        return package | {"decode": max(0.0, package["decode"] - 2 * LAYERS * self.op_ms)}
+        return package | {"decode": package["decode"] - CHAIN_OPS * self.op_ms}
 
     def describe(self, encoding: str, work: str = "request") -> str:
         if work == "block":
-            return f"{encoding} weights of a block: one op, the package's kernel inside it"
+            boundaries = (f" (an op's boundary {self.op_ms * 1e3:.0f} us a one-row step, "
+                          "which its projections do not pay)" if self.ms else "")
+            return (f"{encoding} weights of a block: one op, the package's kernel inside "
+                    f"it{boundaries}")
         if work == "request" or not self.ms:
             return f"{encoding} weights: {self.kernel}'s kernel ({self.why})"
         ms = {k: m["decode"] for k, m in self.ms.items()}
@@ -274,7 +281,8 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
                 times[k, s].append(time.perf_counter() - start)
     median = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     ms = {k: {s: median[k, s] for s in shapes} for k in KERNELS}
-    op_ms = max(0.0, median[CUT, "decode"] - ms["package"]["decode"]) / (2 * LAYERS)
+    added = median[CUT, "decode"] - ms["package"]["decode"]
+    op_ms = added / CHAIN_OPS if 0 < added < ms["package"]["decode"] else 0.0
     return replace(pick(ms), busy=busy.share(), op_ms=op_ms)
 
 

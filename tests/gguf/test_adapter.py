@@ -120,13 +120,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 # The bounds leave room below what this 2-layer, 256-wide random model (std 0.2
 # weights) measures (`docs/gguf.md`'s parity table): the error does not shrink from 4 to
-# 6 weight bits, so it is qmatmul's 8-bit activations, which the
+# 6 weight bits, so it is the kernels' 8-bit activations, which the
 # dequantized-weight reference does not have. A wrong block layout or scale
 # gives about chance agreement (1 in the vocabulary) and errors of the logits'
 # own size.
-# Each file is a graph to compile: q4_k_m runs Q4_K and Q6_K blocks through
-# qmatmul and Q5_K through the package's kernel in one, the graph the served
-# test (`test_serve.py`) uses.
+# Each file is a graph to compile: q4_k_m runs its Q4_K, Q5_K and Q6_K blocks
+# on the kernels this CPU's choice gives them (`layers/kernel_choice.py`), in the
+# graph the served test (`test_serve.py`) uses.
 # The xl-rows model's Q4_K_M file holds Q5_0, Q5_1 and Q8_0 projections beside k-quants,
 # all multiplied packed (`XL_ROWS`).
 BOUNDS = {

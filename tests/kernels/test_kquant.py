@@ -25,7 +25,7 @@ from gpt2_max.gguf.quants import quantize
 
 pytestmark = pytest.mark.tier("model")
 
-ROWS = (1, 2, 3, 4, 5, 7, 16, 17, 64, 131)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 16, 17, 64, 131)
 """Every register-tile height, more rows than a tile, and more than one pass of rows."""
 SHAPES = ((768, 2304), (256, 1), (512, 37), (3072, 768))
 """(K, N): GPT-2's projections, one output, and an output count no task split divides."""

@@ -181,7 +181,7 @@ def test_a_block_is_one_op_where_the_ops_boundaries_outweigh_maxs_lead(op_ms, fu
     picked = dataclasses.replace(kernel_choice.pick(chains((4.0, 30.0), (5.0, 33.0))), op_ms=op_ms)
     assert picked.kernel == "max"
     inside = picked.in_block()
-    assert inside == {"decode": pytest.approx(5.0 - 2 * kernel_choice.LAYERS * op_ms),
+    assert inside == {"decode": pytest.approx(5.0 - kernel_choice.CHAIN_OPS * op_ms),
                       "prefill": 33.0}
     assert picked.one_op("request") is fused
     assert picked.one_op("decode") is fused
@@ -257,7 +257,7 @@ def test_the_measurement_picks_by_the_request_then_the_decode_step():
     assert "measured" in picked.why
     assert 0 <= picked.busy < 1
     # An op's boundary: the cut chain's extra time per op, less than a whole op's time.
-    assert 0 <= picked.op_ms < picked.ms["package"]["decode"] / (2 * kernel_choice.LAYERS)
+    assert 0 <= picked.op_ms < picked.ms["package"]["decode"] / kernel_choice.CHAIN_OPS
 
 
 def test_others_busy_counts_the_cpus_this_process_may_use_less_its_own_time(monkeypatch):

@@ -9,10 +9,10 @@ regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
 of `CHUNK_ROWS` rows shared out as `skinny.mojo`'s are (`share.share_out`: each task
 streams a band, then takes over what is left of the others'); each block is decoded
-once per tile of up to `MT` input rows (a grouped tile: 8 with one int8 term, 4
-with two) and multiplied into per-row accumulators while its bytes are in L1. Many
-rows (a prefill) take the same path in chunks of `MC` rows, so each weight row is
-decoded M / MT times: slower than a kernel that decodes a band once for all rows,
+once per tile of input rows (`MT`, a row at a time; `GROUP_MT` sixteen rows at a
+time: 8 with one int8 term, 4 with two) and multiplied into per-row accumulators
+while its bytes are in L1. Many rows (a prefill) take the same path in chunks of `MC`
+rows, so each weight row is decoded once per tile of rows: slower than a kernel that decodes a band once for all rows,
 but every row count runs one arithmetic, and a request's rows come out bit for bit
 the same whatever they are batched with (a decode row beside another request's
 prefill chunk, or alone). With activations rounded to int8 a prefill-only
