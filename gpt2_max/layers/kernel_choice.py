@@ -116,8 +116,8 @@ class Choice:
     op_ms: float = 0.0
     """What one more op of the package's kernel costs a one-row chain, milliseconds: the
     cut chain's time (`CUT`) less the whole one's, per op it adds; 0 where that is not
-    less than a whole op's time (a measurement noise broke, which must not make the
-    package's projections free)."""
+    less than a whole op's time (a measurement broken by noise, which must not make
+    the package's projections free)."""
 
     def kernel_for(self, work: str) -> str:
         """The kernel for `work` (`WORK`): the request's choice; for "decode" the faster

@@ -12,11 +12,11 @@ streams a band, then takes over what is left of the others'); each block is deco
 once per tile of input rows (`MT`, a row at a time; `GROUP_MT` sixteen rows at a
 time: 8 with one int8 term, 4 with two) and multiplied into per-row accumulators
 while its bytes are in L1. Many rows (a prefill) take the same path in chunks of `MC`
-rows, so each weight row is decoded once per tile of rows: slower than a kernel that decodes a band once for all rows,
-but every row count runs one arithmetic, and a request's rows come out bit for bit
-the same whatever they are batched with (a decode row beside another request's
-prefill chunk, or alone). With activations rounded to int8 a prefill-only
-arithmetic would change a batched request's tokens.
+rows, so each weight row is decoded once per tile of rows: slower than a kernel that
+decodes a band once for all rows, but every row count runs one arithmetic, and a
+request's rows come out bit for bit the same whatever they are batched with (a decode
+row beside another request's prefill chunk, or alone). With activations rounded to
+int8 a prefill-only arithmetic would change a batched request's tokens.
 
 The arithmetic (`dot_path`; the ops' `dot` parameter names one for tests and
 benchmarks, DOT_AUTO is what the model runs), where the CPU multiplies bytes
