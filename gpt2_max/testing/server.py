@@ -25,6 +25,7 @@ import httpx
 import psutil
 
 from gpt2_max.names import PACKAGE
+from gpt2_max.settings import setting
 
 MODEL_NAME = "gpt2"
 """What requests name in `model`: servers started here are `--served-model-name` it."""
@@ -40,6 +41,14 @@ PAUSE_TIMEOUT_S = 5
 READY_POLL_S = 0.1
 """How often a starting server is asked whether it answers: `max_serve` yields within
 this of the server being ready (the start profile times starts to the first answer)."""
+
+ONE_KERNEL = {setting("packed_kernel").variable: "package"}
+"""The environment of servers of a packed model whose answers are compared bit for bit
+across starts. Each start of such a server takes MAX's or the package's kernel as its
+CPU measured (`layers/kernel_choice.py`), and a measurement that other processes
+disturbed is not kept, so two starts on a busy CPU can each measure and choose
+differently where the two kernels are close; their sums round apart in the last bits of
+a logit. Naming one kernel makes the starts' arithmetic the same."""
 
 REFUSAL_TIMEOUT_S = 300
 """A start that must be refused stops before any graph compile; a hang fails."""
@@ -293,19 +302,23 @@ def max_serve(
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"max serve exited with {process.returncode}:\n{log.read_text()[-4000:]}"
-                )
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(READY_POLL_S)
+        # One client for every poll: `httpx.get` builds a client, and its TLS context,
+        # at each call, which at `READY_POLL_S` kept a tenth of a 2-core CPU busy while
+        # the server started: enough for the server's kernel choice, timed then, not to
+        # be kept (`layers/kernel_choice.py`).
+        with httpx.Client(timeout=2) as client:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"max serve exited with {process.returncode}:\n"
+                                       f"{log.read_text()[-4000:]}")
+                try:
+                    if client.get(f"{url}/v1/models").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"max serve did not start:\n{log.read_text()[-4000:]}")
+                time.sleep(READY_POLL_S)
         yield Server(url=url, pid=process.pid, log=log,
                      metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     finally:

@@ -2,12 +2,13 @@
 
 Two servers of the same weights answer the same requests in the same order, one
 with `GPT2_MAX_DECODE_STEPS=1` (MAX's own loop, one token a pass) and one with
-the default bursts; every answer (token ids, text, finish reason, token count),
-streamed and not, must be identical. The cases are those where a burst could go
-wrong: seeded sampling (plain rows, `gpt2_max.sampler`'s, and top-k or top-p
-rows, MAX's), `min_tokens`, a stop token or string inside a burst,
-`max_tokens` ending mid-burst, a page boundary, the window's end, concurrent
-rows, and requests that fall back to one step (log-probabilities).
+the default bursts, both on one packed kernel (`ONE_KERNEL`); every answer (token
+ids, text, finish reason, token count, log-probabilities), streamed and not, must be
+identical. The cases are those where a burst could go wrong: seeded sampling (plain
+rows, `gpt2_max.sampler`'s, and top-k or top-p rows, MAX's), `min_tokens`, a stop
+token or string inside a burst, `max_tokens` ending mid-burst, a page boundary, the
+window's end, concurrent rows, and requests that fall back to one step
+(log-probabilities).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from openai import OpenAI
 
 from gpt2_max.bursts.model import ENV
 from gpt2_max.testing.reference import TINY, random_prompt
-from gpt2_max.testing.server import MODEL_NAME, max_serve
+from gpt2_max.testing.server import MODEL_NAME, ONE_KERNEL, max_serve
 
 pytestmark = pytest.mark.tier("serve")
 
@@ -109,7 +110,7 @@ def served(request, checkpoints, quantized_model, gguf_files, tmp_path_factory) 
     results = []
     for env in ({ENV: "1"}, {}):
         with max_serve(path, "--max-batch-size", "4", "--enable-min-tokens",
-                       log=logs / f"server{len(results)}.log", env=env) as server:
+                       log=logs / f"server{len(results)}.log", env=ONE_KERNEL | env) as server:
             results.append(answers(server.url, results[0] if results else None))
     # The burst server's log: a burst whose first token MAX did not sample says so,
     # and MAX's scheduler handed the model its request queue.

@@ -29,6 +29,7 @@ from gpt2_max.settings import setting
 from gpt2_max.speculate.draft import ENV
 from gpt2_max.testing.reference import load_reference, save_gguf, save_transformers_layout
 from gpt2_max.testing.server import (
+    ONE_KERNEL,
     child_env,
     free_port,
     max_serve,
@@ -76,7 +77,7 @@ def plain_answers(checkpoints, quantized_model, gguf_files, tmp_path_factory):
             path: Path = (checkpoints("default", "hub") if weights == "float32"
                           else gguf_files(quantized_model, "q4_k_m").parent)
             log = tmp_path_factory.mktemp(f"plain-{weights}") / "server.log"
-            with max_serve(path, *ARGS, log=log) as server:
+            with max_serve(path, *ARGS, log=log, env=ONE_KERNEL) as server:
                 cache[weights] = (path, answers(server.url, None, again=[SAMPLED]))
         return cache[weights]
 
@@ -95,7 +96,7 @@ def served(request, plain_answers, tmp_path_factory) -> tuple:
     logs = tmp_path_factory.mktemp(f"speculate-{weights}-{draft}")
     if draft.startswith("first-layer"):
         draft = str(first_layer(load_reference(path), logs / "draft", draft.endswith(".gguf")))
-    env = {ENV: draft, setting("draft_pace").variable: pace}
+    env = ONE_KERNEL | {ENV: draft, setting("draft_pace").variable: pace}
     with max_serve(path, *ARGS, log=logs / "server.log", env=env) as server:
         drafted = answers(server.url, plain, again=[SAMPLED])
     return plain, drafted, (logs / "server.log").read_text(), pace == "0", draft
