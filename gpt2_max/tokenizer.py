@@ -7,7 +7,10 @@ answered with a 400 (`InputError`) instead. So is a request for echoed
 log-probabilities from a server started without `--enable-echo`: the graph then
 returns only last-position logits and the step would fail. An empty prompt (`""`,
 `[]`), which MAX refuses with a `ValueError` its routes answer as a bare "Value
-error.", is answered 400 saying so.
+error.", is answered 400 saying so, as is a request for no tokens (`max_tokens` 0,
+which MAX answers with one), and so is each check MAX's context makes of a request
+(`min_tokens` past the window), whose `ValueError` the routes answer the same way.
+A request's `stop_token_ids` stop it under `ignore_eos` too (`create_eos_tracker`).
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from max.pipelines.context import TextContext
+from max.pipelines.context import EOSTracker, TextContext
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.lib import PipelineConfig, TextTokenizer
 from max.pipelines.modeling.types import (
@@ -89,7 +92,15 @@ class GPT2TextTokenizer(TextTokenizer):
             )
         if request.prompt is not None and len(request.prompt) == 0:
             raise InputError("prompt is empty: give at least one token or character.")
-        context = await super().new_context(self._with_prepared_schema(request))
+        if request.sampling_params.max_new_tokens == 0:
+            raise InputError(
+                "max_tokens must be at least 1, was 0 (a request's first step always "
+                "yields a token)."
+            )
+        try:
+            context = await super().new_context(self._with_prepared_schema(request))
+        except ValueError as error:  # MAX's checks of the request, answered "Value error."
+            raise InputError(str(error)) from None
         prompt = np.asarray(context.tokens.prompt)
         (invalid,) = np.nonzero((prompt < 0) | (prompt >= self.valid_token_ids))
         if invalid.size:
@@ -99,6 +110,20 @@ class GPT2TextTokenizer(TextTokenizer):
                 f"[0, {self.valid_token_ids})."
             )
         return context
+
+    async def create_eos_tracker(self, request: TextGenerationRequest) -> EOSTracker:
+        """MAX's tracker, keeping the request's `stop_token_ids` under `ignore_eos`: MAX
+        drops them with the model's EOS, so a client that asked to run past EOS and stop
+        at its own tokens got tokens past them (vLLM stops there, as here)."""
+        tracker = await super().create_eos_tracker(request)
+        params = request.sampling_params
+        if not (params.ignore_eos and params.stop_token_ids):
+            return tracker
+        return EOSTracker(
+            eos_token_ids=tracker.eos_token_ids | set(params.stop_token_ids),
+            eos_sequences=tracker.eos_sequences,
+            eos_stop_strings=tracker.eos_stop_strings,
+        )
 
     @staticmethod
     def _with_prepared_schema(request: TextGenerationRequest) -> TextGenerationRequest:

@@ -147,12 +147,15 @@ def test_chat_completion_uses_the_plain_template(server, hf_models, checkpoints)
     assert choice.message.content == tokenizer.decode(expected)
 
 
-def test_stop_token_ends_generation_at_it(server, hf_models):
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos", "ignore-eos"])
+def test_stop_token_ends_generation_at_it(server, hf_models, ignore_eos):
+    """A stop token stops a request that ignores EOS too (MAX 26.7 drops it there)."""
     prompt = random_prompt(10, seed=21)
     tokens = hf_greedy(hf_models("default"), prompt, 16)[0]
     response = client(server).completions.create(
         model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0.0,
-        extra_body={"stop_token_ids": [tokens[5]], "return_token_ids": True},
+        extra_body={"stop_token_ids": [tokens[5]], "return_token_ids": True,
+                    "ignore_eos": ignore_eos},
     )
     assert response.choices[0].finish_reason == "stop"
     assert token_ids(response.choices[0]) == tokens[: tokens.index(tokens[5]) + 1]
@@ -271,11 +274,19 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt=[[]]), "prompt is empty"),
         (dict(prompt=[[15496], [995]], stream=True), "stream answers one prompt"),
         (dict(prompt=["Hi", "there"], stream=True), "stream answers one prompt"),
-        (dict(prompt="Hi", max_tokens=-3), ""),
-        (dict(prompt="Hi", temperature=-1), ""),
-        (dict(prompt="Hi", top_p=7), ""),
-        (dict(prompt="Hi", top_k=-5), ""),
-        (dict(prompt="Hi", frequency_penalty=1e9), ""),
+        (dict(prompt="Hi", max_tokens=-3), "max_new_tokens must be a non-negative integer"),
+        (dict(prompt="Hi", max_tokens=0), "max_tokens must be at least 1, was 0"),
+        (dict(prompt="Hi", temperature=-1), "temperature must be in [0.0, 2.0], was -1"),
+        (dict(prompt="Hi", top_p=7), "top_p must be in [0.0, 1.0], was 7"),
+        (dict(prompt="Hi", top_k=-5), "top_k must be -1 or greater than 0, was -5"),
+        (dict(prompt="Hi", frequency_penalty=1e9), "frequency_penalty must be in [-2.0, 2.0]"),
+        (dict(prompt=[15496, 995], max_tokens=3, min_tokens=5),
+         "min_tokens (5) + prompt_len (2) must be less than or equal to max_length (5)"),
+        (dict(prompt="Hi", n=2), "n=2 is not served: this server gives one choice"),
+        (dict(prompt="Hi", best_of=2), "best_of=2 is not served"),
+        (dict(prompt="Hi", logit_bias={"13": 50}), "is not served: this server gives no logit"),
+        (dict(prompt="Hi", suffix="."), "suffix='.' is not served"),
+        (dict(prompt="Hi", echo=True), "echo without logprobs is not served"),
         (dict(prompt="Hi", logprobs=10_000), ""),
         (dict(prompt="x " * 5_000_000), ""),
         (dict(prompt={"not": "a prompt"}), ""),
@@ -283,8 +294,9 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
     ids=[
         "too-long", "out-of-vocab", "negative-id", "echo-not-enabled", "wrong-type",
         "empty-prompt", "empty-prompt-list", "empty-token-list", "streamed-prompts",
-        "streamed-strings", "negative-max-tokens", "negative-temperature", "top-p-7",
-        "negative-top-k", "huge-penalty", "huge-logprobs", "10mb-body", "prompt-object",
+        "streamed-strings", "negative-max-tokens", "zero-max-tokens", "negative-temperature",
+        "top-p-7", "negative-top-k", "huge-penalty", "min-tokens-past-max", "n-2", "best-of-2",
+        "logit-bias", "suffix", "echo-text", "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, body, message):
@@ -298,6 +310,27 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, bo
         model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY
     )
     assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (dict(n=3), "n=3 is not served: this server gives one choice"),
+        (dict(logit_bias={"13": 50}), "is not served: this server gives no logit bias"),
+        (dict(temperature=2.5), "temperature must be in [0.0, 2.0], was 2.5"),
+        (dict(max_completion_tokens=0), "max_tokens must be at least 1, was 0"),
+    ],
+    ids=["n-3", "logit-bias", "temperature-2.5", "zero-max-completion-tokens"],
+)
+def test_bad_chat_requests_get_400_saying_why(server, body, message):
+    response = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 4, **body},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    assert message in response.text
 
 
 def test_chunked_prefill_matches_transformers(chunking_server, hf_models):

@@ -194,7 +194,7 @@ class DecodeBursts(Extension):
             model.pipeline_config.sampling.enable_min_tokens,
         )
         positions = np.array([c.tokens.processed_length for c in contexts], dtype=np.int64)
-        ends = [set() if c.ignore_eos else c.eos_tracker.eos_token_ids for c in contexts]
+        ends = [c.eos_tracker.eos_token_ids for c in contexts]  # as MAX's loop reads them
         tokens = sampling.sample(outputs.next_token_logits, 0)
         made = [tokens]
         mark = started

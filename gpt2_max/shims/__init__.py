@@ -13,8 +13,11 @@ and why, so nothing else in the package imports a private MAX name:
   backend factory, the chat route's conversion of an OpenAI `response_format`,
   the sampler's inputs, seeds, masks and call as the text pipeline makes them,
   and a poll of the model worker's request queue).
-- `completion_prompts`: a completions body with no prompt, or with several
-  prompts and `stream`, answered 400 naming the cause (MAX 26.7 answers 500).
+- `request_bodies`: a completions body with no prompt, or with several
+  prompts and `stream` (MAX 26.7 answers 500), and a body setting a field MAX's
+  routes drop (`n`, `best_of`, `logit_bias`, `suffix`, `echo` without `logprobs`),
+  answered 400 naming the cause; so is a sampling parameter out of its range, which
+  MAX answers "Value error.".
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
@@ -59,8 +62,8 @@ from pathlib import Path
 
 from ..names import PACKAGE
 from . import (
-    completion_prompts,
     release,
+    request_bodies,
     shared_sampler,
     stop_strings,
     structured_output,
@@ -73,7 +76,7 @@ logger = logging.getLogger("max.pipelines")
 CARRIED = (
     "exact stop strings (MAX's own matching applies)",
     "structured output on the CPU",
-    "400 for an empty completions prompt",
+    "400 for an empty completions prompt, a dropped field or a sampling value out of range",
     "named damaged weight files",
     "decode bursts",
     "the CPU's sampler of plain rows",
@@ -102,7 +105,7 @@ def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], Non
     if not release.checked():
         _warn_unchecked(release.max_version())
         return False
-    completion_prompts.install()
+    request_bodies.install()
     weight_files.install(tokenizer_type, check_weight_files)
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)

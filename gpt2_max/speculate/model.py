@@ -156,7 +156,7 @@ class Speculation(Extension):
         deadline = started + self._budget_s
         contexts = inputs.contexts
         tokens = [list(c.tokens.all[: c.tokens.current_position]) for c in contexts]
-        ends = [set() if c.ignore_eos else c.eos_tracker.eos_token_ids for c in contexts]
+        ends = [c.eos_tracker.eos_token_ids for c in contexts]  # as MAX's loop reads them
         made: list[list[int]] = [[] for _ in contexts]
         returned: ModelOutputs | None = None
         mark = started

@@ -52,7 +52,7 @@ print("installed again", shims.install(GPT2TextTokenizer, check_complete))
 patched = {
     "stop strings": getattr(TokenGeneratorPipeline.next_token_chunk, "cuts_at_stops", False),
     "structured output": getattr(PipelineConfig.from_args, "lifts_cpu_refusal", False),
-    "empty prompts": getattr(openai_routes._parse_openai_request_body, "checks_prompts", False),
+    "request bodies": getattr(openai_routes._parse_openai_request_body, "checks_bodies", False),
     "weight files": getattr(
         PipelineConfig._model_with_resolved_weights, "checks_weight_files", False),
     "sampler": getattr(TextGenerationPipeline.__init__, "shares_sampler", False),
@@ -74,7 +74,7 @@ def probe(**env: str) -> subprocess.CompletedProcess[str]:
 def test_on_the_checked_release_every_shim_is_installed():
     out = probe()
     assert "installed again True" in out.stdout
-    assert "patched ['empty prompts', 'queue', 'sampler', 'stop strings', 'structured output', " \
+    assert "patched ['queue', 'request bodies', 'sampler', 'stop strings', 'structured output', " \
         "'weight files']" in out.stdout
     assert "fast-forward True" in out.stdout
     assert WARNING not in out.stderr

@@ -1,0 +1,97 @@
+"""OpenAI bodies MAX 26.7's routes answer 500, or answer as if a field were not there,
+answered 400 with their cause.
+
+`/v1/completions` turns `prompt` into one request per prompt and then reads the
+first request without checking there is one (`"prompt": []`), and refuses a
+streamed body of several prompts by raising `NotImplementedError`, which no
+handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
+Both are the client's mistake. Other fields the schema accepts are dropped without a
+word (`UNSERVED`): `n` and `best_of` ask for several choices and get one, `logit_bias`
+and `suffix` change nothing, and `echo` without `logprobs` returns the completion
+without the prompt (MAX's echo is the prompt's log-probabilities, served with
+`--enable-echo`). A client that sent them would take the answer for what it asked.
+
+This module wraps the routes' body parser (`_parse_openai_request_body`, which the
+routes look up by name as they run) so such a completions or chat body is refused
+there with `InputError`, which the routes answer 400 with its message. Every other
+body is parsed as before.
+
+The routes also build each request's `SamplingParams`, whose checks raise `ValueError`
+with a message that names the field and its range; the routes answer every
+`ValueError` "Value error.". The routes' `SamplingParams` is given a
+`from_input_and_generation_config` that raises the same check as `InputError`, so the
+answer is 400 with that message.
+
+Installed by `shims.install`; it acts in the API process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from max.pipelines.context import SamplingParams
+from max.pipelines.context.exceptions import InputError
+from max.serve.router import openai_routes
+
+UNSERVED = {
+    "n": ("one choice a request", lambda value: value is not None and value != 1),
+    "best_of": ("one choice a request", lambda value: value is not None and value != 1),
+    "logit_bias": ("no logit bias", bool),
+    "suffix": ("no suffix", bool),
+}
+"""Fields MAX's routes accept and drop: what is served instead, and whether a value asks
+for more than that."""
+
+
+def check(body: Any) -> None:
+    """Raises `InputError` for a completions or chat body MAX's routes would answer 500,
+    or answer without a field it sets (`UNSERVED`, echoed text)."""
+    for name, (served, asks_more) in UNSERVED.items():
+        value = getattr(body, name, None)
+        if asks_more(value):
+            raise InputError(f"{name}={value!r} is not served: this server gives {served}.")
+    prompt = getattr(body, "prompt", None)
+    if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
+        raise InputError(
+            "echo without logprobs is not served: this server echoes the prompt's "
+            "log-probabilities (with logprobs, on a server started with --enable-echo), "
+            "not its text."
+        )
+    if isinstance(prompt, list):
+        if not prompt:
+            raise InputError("prompt is empty: give a string, or a list of token ids or strings.")
+        if body.stream and isinstance(prompt[0], str | list) and len(prompt) > 1:
+            raise InputError(
+                f"stream answers one prompt, and this request has {len(prompt)}: "
+                "send each prompt in a request of its own, or leave stream off."
+            )
+
+
+class CheckedSamplingParams:
+    """What the routes call `SamplingParams`: MAX's, whose checks raise `InputError`."""
+
+    @staticmethod
+    def from_input_and_generation_config(*args: Any, **kwargs: Any) -> SamplingParams:
+        try:
+            return SamplingParams.from_input_and_generation_config(*args, **kwargs)
+        except ValueError as error:
+            raise InputError(str(error)) from None
+
+
+def install() -> None:
+    """Wraps the routes' body parser with `check` for completions and chat bodies, and
+    gives them `CheckedSamplingParams` (once)."""
+    openai_routes.SamplingParams = CheckedSamplingParams
+    original = openai_routes._parse_openai_request_body
+    if getattr(original, "checks_bodies", False):
+        return
+
+    async def parse(request: Any, request_id: str, model_cls: type) -> Any:
+        body = await original(request, request_id, model_cls)
+        if model_cls in (openai_routes.CreateCompletionRequest,
+                         openai_routes.CreateChatCompletionRequest):
+            check(body)
+        return body
+
+    parse.checks_bodies = True  # type: ignore[attr-defined]
+    openai_routes._parse_openai_request_body = parse

@@ -1,0 +1,78 @@
+"""`request_bodies`: the bodies MAX 26.7 answers 500 or answers without a field they set,
+and the sampling values it answers "Value error.", refused by name."""
+
+from types import SimpleNamespace
+
+import pytest
+from max.pipelines.context import SamplingParams, SamplingParamsInput
+from max.pipelines.context.exceptions import InputError
+from max.pipelines.context.sampling_params import SamplingParamsGenerationConfigDefaults
+from max.serve.router import openai_routes
+
+from gpt2_max.shims import request_bodies
+
+pytestmark = pytest.mark.tier("unit")
+
+
+def body(prompt="Hi", stream=False, **fields):
+    return SimpleNamespace(prompt=prompt, stream=stream, **fields)
+
+
+@pytest.mark.parametrize(
+    "prompt, stream, fields, message",
+    [
+        ([], False, {}, "prompt is empty"),
+        ([], True, {}, "prompt is empty"),
+        ([[1], [2]], True, {}, "this request has 2"),
+        (["a", "b", "c"], True, {}, "this request has 3"),
+        ("Hi", False, dict(n=2), "n=2 is not served: this server gives one choice"),
+        ("Hi", True, dict(n=0), "n=0 is not served"),
+        ("Hi", False, dict(best_of=3), "best_of=3 is not served"),
+        ("Hi", False, dict(logit_bias={"13": 5}), "logit_bias={'13': 5} is not served"),
+        ("Hi", False, dict(suffix="end"), "suffix='end' is not served"),
+        ("Hi", False, dict(echo=True), "echo without logprobs is not served"),
+        ("Hi", False, dict(echo=True, logprobs=0), "echo without logprobs"),
+    ],
+)
+def test_bodies_the_routes_answer_wrongly_are_refused_naming_the_cause(
+    prompt, stream, fields, message
+):
+    with pytest.raises(InputError, match=message):
+        request_bodies.check(body(prompt, stream, **fields))
+
+
+@pytest.mark.parametrize(
+    "prompt, stream, fields",
+    [
+        ("", False, {}), ("Hi", True, {}), ([15496, 995], True, {}), ([[1], [2]], False, {}),
+        (["a"], True, {}), ("Hi", False, dict(n=1, best_of=1, logit_bias={}, suffix="")),
+        ("Hi", False, dict(n=None, best_of=None, logit_bias=None, suffix=None, echo=None)),
+        ("Hi", False, dict(echo=True, logprobs=1)), ("Hi", False, dict(echo=False)),
+    ],
+)
+def test_other_bodies_pass(prompt, stream, fields):
+    request_bodies.check(body(prompt, stream, **fields))
+
+
+def test_a_chat_body_without_a_prompt_is_checked_by_its_fields():
+    request_bodies.check(SimpleNamespace(messages=[], n=1, stream=False))
+    with pytest.raises(InputError, match="n=3"):
+        request_bodies.check(SimpleNamespace(messages=[], n=3, stream=False))
+
+
+def test_the_routes_sampling_values_out_of_range_say_which():
+    request_bodies.install()
+    make = openai_routes.SamplingParams.from_input_and_generation_config
+    defaults = SamplingParamsGenerationConfigDefaults()
+    made = make(SamplingParamsInput(temperature=0.5), sampling_params_defaults=defaults)
+    assert isinstance(made, SamplingParams) and made.temperature == 0.5
+    with pytest.raises(InputError, match=r"temperature must be in \[0.0, 2.0\], was 5"):
+        make(SamplingParamsInput(temperature=5.0), sampling_params_defaults=defaults)
+
+
+def test_the_parser_it_wraps_is_there_and_wrapped_once():
+    request_bodies.install()
+    wrapped = openai_routes._parse_openai_request_body
+    assert wrapped.checks_bodies
+    request_bodies.install()
+    assert openai_routes._parse_openai_request_body is wrapped
