@@ -287,6 +287,8 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt="Hi", logit_bias={"13": 50}), "is not served: this server gives no logit"),
         (dict(prompt="Hi", suffix="."), "suffix='.' is not served"),
         (dict(prompt="Hi", echo=True), "echo without logprobs is not served"),
+        (dict(prompt="Hi", seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
+        (dict(prompt="Hi", stop_token_ids=[-(2**63) - 1]), "stop_token_ids holds"),
         (dict(prompt="Hi", logprobs=10_000), ""),
         (dict(prompt="x " * 5_000_000), ""),
         (dict(prompt={"not": "a prompt"}), ""),
@@ -296,7 +298,8 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         "empty-prompt", "empty-prompt-list", "empty-token-list", "streamed-prompts",
         "streamed-strings", "negative-max-tokens", "zero-max-tokens", "negative-temperature",
         "top-p-7", "negative-top-k", "huge-penalty", "min-tokens-past-max", "n-2", "best-of-2",
-        "logit-bias", "suffix", "echo-text", "huge-logprobs", "10mb-body", "prompt-object",
+        "logit-bias", "suffix", "echo-text", "seed-2**64", "stop-token-past-64-bits",
+        "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, body, message):
@@ -319,8 +322,11 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, bo
         (dict(logit_bias={"13": 50}), "is not served: this server gives no logit bias"),
         (dict(temperature=2.5), "temperature must be in [0.0, 2.0], was 2.5"),
         (dict(max_completion_tokens=0), "max_tokens must be at least 1, was 0"),
+        (dict(seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
+        (dict(model="gpt-4"), "Unknown model 'gpt-4', currently serving"),
     ],
-    ids=["n-3", "logit-bias", "temperature-2.5", "zero-max-completion-tokens"],
+    ids=["n-3", "logit-bias", "temperature-2.5", "zero-max-completion-tokens", "seed-2**64",
+         "unknown-model"],
 )
 def test_bad_chat_requests_get_400_saying_why(server, body, message):
     response = httpx.post(

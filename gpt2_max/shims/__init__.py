@@ -14,10 +14,11 @@ and why, so nothing else in the package imports a private MAX name:
   the sampler's inputs, seeds, masks and call as the text pipeline makes them,
   and a poll of the model worker's request queue).
 - `request_bodies`: a completions body with no prompt, or with several
-  prompts and `stream` (MAX 26.7 answers 500), and a body setting a field MAX's
-  routes drop (`n`, `best_of`, `logit_bias`, `suffix`, `echo` without `logprobs`),
-  answered 400 naming the cause; so is a sampling parameter out of its range, which
-  MAX answers "Value error.".
+  prompts and `stream`, and an integer past 64 bits (MAX 26.7 answers 500), and a
+  body setting a field MAX's routes drop (`n`, `best_of`, `logit_bias`, `suffix`,
+  `echo` without `logprobs`), answered 400 naming the cause; so are a sampling
+  value out of its range and an unknown model name, which MAX answers "Value
+  error.".
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's

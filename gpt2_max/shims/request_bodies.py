@@ -5,28 +5,34 @@ answered 400 with their cause.
 first request without checking there is one (`"prompt": []`), and refuses a
 streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
-Both are the client's mistake. Other fields the schema accepts are dropped without a
-word (`UNSERVED`): `n` and `best_of` ask for several choices and get one, `logit_bias`
-and `suffix` change nothing, and `echo` without `logprobs` returns the completion
-without the prompt (MAX's echo is the prompt's log-probabilities, served with
-`--enable-echo`). A client that sent them would take the answer for what it asked.
+An integer past 64 bits (a `seed`, a stop token id) passes the routes' checks and
+fails as MAX's request queue serializes it. All three are the client's mistake.
+Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
+`best_of` ask for several choices and get one, `logit_bias` and `suffix` change
+nothing, and `echo` without `logprobs` returns the completion without the prompt
+(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). A
+client that sent them would take the answer for what it asked.
 
 This module wraps the routes' body parser (`_parse_openai_request_body`, which the
 routes look up by name as they run) so such a completions or chat body is refused
 there with `InputError`, which the routes answer 400 with its message. Every other
 body is parsed as before.
 
-The routes also build each request's `SamplingParams`, whose checks raise `ValueError`
-with a message that names the field and its range; the routes answer every
-`ValueError` "Value error.". The routes' `SamplingParams` is given a
-`from_input_and_generation_config` that raises the same check as `InputError`, so the
-answer is 400 with that message.
+Two of MAX's own checks raise `ValueError` with a message that says what is wrong,
+and the routes answer every `ValueError` "Value error.": a sampling value out of its
+range (`SamplingParams`) and a model name the server does not serve
+(`get_pipeline`). The routes' `SamplingParams` is given a
+`from_input_and_generation_config`, and their `get_pipeline` a wrapper, that raise the
+same check as `InputError`, so the answer is 400 with that message.
 
 Installed by `shims.install`; it acts in the API process.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from max.pipelines.context import SamplingParams
@@ -42,10 +48,27 @@ UNSERVED = {
 """Fields MAX's routes accept and drop: what is served instead, and whether a value asks
 for more than that."""
 
+INTEGERS = (-(2**63), 2**64 - 1)
+"""The integers MAX's request queue can serialize (msgpack's): a field past them passes
+the routes' checks and fails as the request is queued, answered 500."""
+
+
+def integers(value: Any) -> list[int]:
+    """The integers in `value`, an integer or lists of them (token ids); none in others."""
+    if isinstance(value, list):
+        return [i for item in value for i in integers(item)]
+    return [value] if isinstance(value, int) and not isinstance(value, bool) else []
+
 
 def check(body: Any) -> None:
-    """Raises `InputError` for a completions or chat body MAX's routes would answer 500,
-    or answer without a field it sets (`UNSERVED`, echoed text)."""
+    """Raises `InputError` for a completions or chat body MAX's routes would answer 500
+    (no prompt, several streamed, an integer past `INTEGERS`), or answer without a field
+    it sets (`UNSERVED`, echoed text)."""
+    for name, value in vars(body).items():
+        for number in integers(value):
+            if not INTEGERS[0] <= number <= INTEGERS[1]:
+                raise InputError(f"{name} holds {number}, past the 64-bit integers a request "
+                                 "can carry.")
     for name, (served, asks_more) in UNSERVED.items():
         value = getattr(body, name, None)
         if asks_more(value):
@@ -67,24 +90,28 @@ def check(body: Any) -> None:
             )
 
 
-class CheckedSamplingParams:
-    """What the routes call `SamplingParams`: MAX's, whose checks raise `InputError`."""
-
-    @staticmethod
-    def from_input_and_generation_config(*args: Any, **kwargs: Any) -> SamplingParams:
+def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, raising its `ValueError` as `InputError` with the same message."""
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
         try:
-            return SamplingParams.from_input_and_generation_config(*args, **kwargs)
+            return function(*args, **kwargs)
         except ValueError as error:
             raise InputError(str(error)) from None
+
+    return checked
 
 
 def install() -> None:
     """Wraps the routes' body parser with `check` for completions and chat bodies, and
-    gives them `CheckedSamplingParams` (once)."""
-    openai_routes.SamplingParams = CheckedSamplingParams
+    their `SamplingParams` and `get_pipeline` with `raises_input_error` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
+    openai_routes.SamplingParams = SimpleNamespace(
+        from_input_and_generation_config=raises_input_error(
+            SamplingParams.from_input_and_generation_config))
+    openai_routes.get_pipeline = raises_input_error(openai_routes.get_pipeline)
 
     async def parse(request: Any, request_id: str, model_cls: type) -> Any:
         body = await original(request, request_id, model_cls)
