@@ -51,6 +51,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
+from .shims.request_bodies import refusal
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
@@ -100,7 +101,7 @@ class GPT2TextTokenizer(TextTokenizer):
         try:
             context = await super().new_context(self._with_prepared_schema(request))
         except ValueError as error:  # MAX's checks of the request, answered "Value error."
-            raise InputError(str(error)) from None
+            raise refusal(error) from None
         prompt = np.asarray(context.tokens.prompt)
         (invalid,) = np.nonzero((prompt < 0) | (prompt >= self.valid_token_ids))
         if invalid.size:

@@ -7,6 +7,7 @@ transformers' greedy decode of the same prompt.
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -289,6 +290,8 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt="Hi", echo=True), "echo without logprobs is not served"),
         (dict(prompt="Hi", seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
         (dict(prompt="Hi", stop_token_ids=[-(2**63) - 1]), "stop_token_ids holds"),
+        (dict(prompt="Hi", top_k=2**63, temperature=1.0), "top_k holds 9223372036854775808"),
+        (dict(prompt="Hi", model="\ud800"), "Unknown model '\\\\ud800'"),
         (dict(prompt="Hi", logprobs=10_000), ""),
         (dict(prompt="x " * 5_000_000), ""),
         (dict(prompt={"not": "a prompt"}), ""),
@@ -299,12 +302,14 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         "streamed-strings", "negative-max-tokens", "zero-max-tokens", "negative-temperature",
         "top-p-7", "negative-top-k", "huge-penalty", "min-tokens-past-max", "n-2", "best-of-2",
         "logit-bias", "suffix", "echo-text", "seed-2**64", "stop-token-past-64-bits",
-        "huge-logprobs", "10mb-body", "prompt-object",
+        "top-k-2**63", "lone-surrogate-model", "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, body, message):
-    response = httpx.post(
-        f"{server}/v1/completions", json={"model": MODEL_NAME, "max_tokens": 4, **body}, timeout=60
+    response = httpx.post(  # json.dumps escapes a lone surrogate, which httpx's json= refuses
+        f"{server}/v1/completions", content=json.dumps({"model": MODEL_NAME, "max_tokens": 4,
+                                                        **body}),
+        headers={"content-type": "application/json"}, timeout=60,
     )
     assert 400 <= response.status_code < 500, response.text
     assert message in response.text

@@ -5,8 +5,9 @@ answered 400 with their cause.
 first request without checking there is one (`"prompt": []`), and refuses a
 streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
-An integer past 64 bits (a `seed`, a stop token id) passes the routes' checks and
-fails as MAX's request queue serializes it. All three are the client's mistake.
+An integer past int64 (a `seed`, `top_k`, a stop token id) passes the routes' checks
+and fails later: as MAX's request queue serializes it, or in the model worker, whose
+exit stops the server. All three are the client's mistake.
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
@@ -48,9 +49,11 @@ UNSERVED = {
 """Fields MAX's routes accept and drop: what is served instead, and whether a value asks
 for more than that."""
 
-INTEGERS = (-(2**63), 2**64 - 1)
-"""The integers MAX's request queue can serialize (msgpack's): a field past them passes
-the routes' checks and fails as the request is queued, answered 500."""
+INTEGERS = (-(2**63), 2**63 - 1)
+"""The integers a request may carry, int64's: past them a field passes the routes'
+checks and fails later, as MAX's request queue serializes it (answered 500) or, up to
+2**64 - 1, as the model worker puts `top_k` into an int64 buffer (which takes the
+server down)."""
 
 
 def integers(value: Any) -> list[int]:
@@ -90,6 +93,12 @@ def check(body: Any) -> None:
             )
 
 
+def refusal(error: ValueError) -> InputError:
+    """`error` as an `InputError`, its message encodable: one that quotes a client's text
+    (a model name holding a lone surrogate) would fail the 400's own encoding, a 500."""
+    return InputError(str(error).encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function`, raising its `ValueError` as `InputError` with the same message."""
     @functools.wraps(function)
@@ -97,7 +106,7 @@ def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return function(*args, **kwargs)
         except ValueError as error:
-            raise InputError(str(error)) from None
+            raise refusal(error) from None
 
     return checked
 

@@ -33,6 +33,7 @@ def body(prompt="Hi", stream=False, **fields):
         ("Hi", False, dict(echo=True), "echo without logprobs is not served"),
         ("Hi", False, dict(echo=True, logprobs=0), "echo without logprobs"),
         ("Hi", False, dict(seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
+        ("Hi", False, dict(top_k=2**63), "top_k holds 9223372036854775808"),
         ("Hi", False, dict(seed=-(2**63) - 1), "seed holds -9223372036854775809"),
         ("Hi", False, dict(stop_token_ids=[5, 2**70]), "stop_token_ids holds 1180591620"),
         ([[1, 2], [3, 2**64]], False, {}, "prompt holds 18446744073709551616"),
@@ -52,7 +53,7 @@ def test_bodies_the_routes_answer_wrongly_are_refused_naming_the_cause(
         (["a"], True, {}), ("Hi", False, dict(n=1, best_of=1, logit_bias={}, suffix="")),
         ("Hi", False, dict(n=None, best_of=None, logit_bias=None, suffix=None, echo=None)),
         ("Hi", False, dict(echo=True, logprobs=1)), ("Hi", False, dict(echo=False)),
-        ("Hi", False, dict(seed=2**64 - 1, top_k=-(2**63), stop_token_ids=[2**63], user="x")),
+        ("Hi", False, dict(seed=2**63 - 1, top_k=-(2**63), stop_token_ids=[2**62], user="x")),
     ],
 )
 def test_other_bodies_pass(prompt, stream, fields):
@@ -81,6 +82,10 @@ def test_a_model_the_server_does_not_serve_is_named():
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(pipeline=pipeline)))
     with pytest.raises(InputError, match="Unknown model 'gpt-4', currently serving"):
         openai_routes.get_pipeline(request, "gpt-4")
+    with pytest.raises(InputError) as raised:  # a lone surrogate, escaped to be sent
+        openai_routes.get_pipeline(request, "\ud800")
+    assert "Unknown model '\\ud800'" in str(raised.value)
+    str(raised.value).encode()
 
 
 def test_the_parser_it_wraps_is_there_and_wrapped_once():
