@@ -1,9 +1,10 @@
 """GPT-2's tokenizer: request validation and a default chat template.
 
-A prompt given as token ids is checked against the model's vocabulary here,
-before it is queued: an id outside `[0, vocab_size)` would index past the
-embedding table inside the graph and take the model worker down, so it is
-answered with a 400 (`InputError`) instead. So is a request for echoed
+A prompt given as token ids, and a request's stop token ids, are checked against
+the model's vocabulary here, before it is queued: an id outside `[0, vocab_size)`
+would index past the embedding table inside the graph, or past the logits where
+`min_tokens` masks stop tokens, and take the model worker down, so it is answered
+with a 400 (`InputError`) instead. So is a request for echoed
 log-probabilities from a server started without `--enable-echo`: the graph then
 returns only last-position logits and the step would fail. An empty prompt (`""`,
 `[]`), which MAX refuses with a `ValueError` its routes answer as a bare "Value
@@ -102,15 +103,21 @@ class GPT2TextTokenizer(TextTokenizer):
             context = await super().new_context(self._with_prepared_schema(request))
         except ValueError as error:  # MAX's checks of the request, answered "Value error."
             raise refusal(error) from None
-        prompt = np.asarray(context.tokens.prompt)
-        (invalid,) = np.nonzero((prompt < 0) | (prompt >= self.valid_token_ids))
+        self._check_ids("prompt", context.tokens.prompt)
+        self._check_ids("stop", request.sampling_params.stop_token_ids or [])
+        return context
+
+    def _check_ids(self, what: str, ids: Any) -> None:
+        """Raises `InputError` naming the first of `ids` outside the vocabulary: in a
+        prompt it would index past the embedding table; as a stop token, the model worker
+        masks it in the logits under `min_tokens` (one past int32 stops the worker)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        (invalid,) = np.nonzero((ids < 0) | (ids >= self.valid_token_ids))
         if invalid.size:
             raise InputError(
-                f"prompt token id {int(prompt[invalid[0]])} at position "
-                f"{int(invalid[0])} is outside the vocabulary "
-                f"[0, {self.valid_token_ids})."
+                f"{what} token id {int(ids[invalid[0]])} at position {int(invalid[0])} is "
+                f"outside the vocabulary [0, {self.valid_token_ids})."
             )
-        return context
 
     async def create_eos_tracker(self, request: TextGenerationRequest) -> EOSTracker:
         """MAX's tracker, keeping the request's `stop_token_ids` under `ignore_eos`: MAX

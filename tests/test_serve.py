@@ -291,6 +291,9 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt="Hi", seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
         (dict(prompt="Hi", stop_token_ids=[-(2**63) - 1]), "stop_token_ids holds"),
         (dict(prompt="Hi", top_k=2**63, temperature=1.0), "top_k holds 9223372036854775808"),
+        (dict(prompt="Hi", stop_token_ids=[13, 2**40], min_tokens=2),
+         "stop token id 1099511627776 at position 1 is outside the vocabulary"),
+        (dict(prompt="Hi", stop_token_ids=[-5]), "stop token id -5 at position 0 is outside"),
         (dict(prompt="Hi", model="\ud800"), "Unknown model '\\\\ud800'"),
         (dict(prompt="Hi", logprobs=10_000), ""),
         (dict(prompt="x " * 5_000_000), ""),
@@ -302,7 +305,8 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         "streamed-strings", "negative-max-tokens", "zero-max-tokens", "negative-temperature",
         "top-p-7", "negative-top-k", "huge-penalty", "min-tokens-past-max", "n-2", "best-of-2",
         "logit-bias", "suffix", "echo-text", "seed-2**64", "stop-token-past-64-bits",
-        "top-k-2**63", "lone-surrogate-model", "huge-logprobs", "10mb-body", "prompt-object",
+        "top-k-2**63", "stop-token-2**40", "negative-stop-token", "lone-surrogate-model",
+        "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, body, message):
