@@ -11,7 +11,8 @@ returns only last-position logits and the step would fail. An empty prompt (`""`
 error.", is answered 400 saying so, as is a request for no tokens (`max_tokens` 0,
 which MAX answers with one), and so is each check MAX's context makes of a request
 (`min_tokens` past the window), whose `ValueError` the routes answer the same way.
-A request's `stop_token_ids` stop it under `ignore_eos` too (`create_eos_tracker`).
+A request's `stop_token_ids` stop it under `ignore_eos` too (`create_eos_tracker`),
+and a `top_k` past the vocabulary, which would stop the worker, is cut to it.
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
@@ -100,12 +101,23 @@ class GPT2TextTokenizer(TextTokenizer):
                 "yields a token)."
             )
         try:
-            context = await super().new_context(self._with_prepared_schema(request))
+            request = self._with_prepared_schema(self._top_k_cut(request))
+            context = await super().new_context(request)
         except ValueError as error:  # MAX's checks of the request, answered "Value error."
             raise refusal(error) from None
         self._check_ids("prompt", context.tokens.prompt)
         self._check_ids("stop", request.sampling_params.stop_token_ids or [])
         return context
+
+    def _top_k_cut(self, request: TextGenerationRequest) -> TextGenerationRequest:
+        """`request` with a `top_k` past the vocabulary cut to it, which keeps the same
+        tokens (all of them): MAX's sampler sizes its work by a batch's largest `top_k`,
+        and one of 2**31 beside a `top_p` or `min_p` stopped the model worker."""
+        params = request.sampling_params
+        if params.top_k <= self.valid_token_ids:
+            return request
+        return dataclasses.replace(
+            request, sampling_params=dataclasses.replace(params, top_k=self.valid_token_ids))
 
     def _check_ids(self, what: str, ids: Any) -> None:
         """Raises `InputError` naming the first of `ids` outside the vocabulary: in a

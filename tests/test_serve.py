@@ -294,6 +294,7 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt="Hi", stop_token_ids=[13, 2**40], min_tokens=2),
          "stop token id 1099511627776 at position 1 is outside the vocabulary"),
         (dict(prompt="Hi", stop_token_ids=[-5]), "stop token id -5 at position 0 is outside"),
+        (dict(prompt="Hi", top_p=float("nan")), "top_p is nan: give a finite number"),
         (dict(prompt="Hi", model="\ud800"), "Unknown model '\\\\ud800'"),
         (dict(prompt="Hi", logprobs=10_000), ""),
         (dict(prompt="x " * 5_000_000), ""),
@@ -305,7 +306,8 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         "streamed-strings", "negative-max-tokens", "zero-max-tokens", "negative-temperature",
         "top-p-7", "negative-top-k", "huge-penalty", "min-tokens-past-max", "n-2", "best-of-2",
         "logit-bias", "suffix", "echo-text", "seed-2**64", "stop-token-past-64-bits",
-        "top-k-2**63", "stop-token-2**40", "negative-stop-token", "lone-surrogate-model",
+        "top-k-2**63", "stop-token-2**40", "negative-stop-token", "nan-top-p",
+        "lone-surrogate-model",
         "huge-logprobs", "10mb-body", "prompt-object",
     ],
 )
@@ -322,6 +324,20 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, bo
         model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY
     )
     assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(server):
+    """A top_k of 2**31 beside top_p stopped MAX 26.7's model worker; it is cut to the
+    vocabulary, whose every token it keeps, so the seeded answer is top_k=vocabulary's."""
+    def answer(top_k: int) -> list[int]:
+        response = client(server).completions.create(
+            model=MODEL_NAME, prompt=random_prompt(6, seed=3), max_tokens=8,
+            temperature=1.0, top_p=0.9, seed=11,
+            extra_body={"top_k": top_k, "return_token_ids": True},
+        )
+        return token_ids(response.choices[0])
+
+    assert answer(2**31) == answer(2**62) == answer(GPT2_VOCAB_SIZE)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
 An integer past int64 (a `seed`, `top_k`, a stop token id) passes the routes' checks
 and fails later: as MAX's request queue serializes it, or in the model worker, whose
-exit stops the server. All three are the client's mistake.
+exit stops the server. All three are the client's mistake, as is a number that is not
+finite (JSON's `NaN`, which Python's parser reads), which MAX's range checks of
+`top_p` and `min_p` let through to the sampler.
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
@@ -32,6 +34,7 @@ Installed by `shims.install`; it acts in the API process.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -72,6 +75,8 @@ def check(body: Any) -> None:
             if not INTEGERS[0] <= number <= INTEGERS[1]:
                 raise InputError(f"{name} holds {number}, past the 64-bit integers a request "
                                  "can carry.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"{name} is {value}: give a finite number.")
     for name, (served, asks_more) in UNSERVED.items():
         value = getattr(body, name, None)
         if asks_more(value):

@@ -34,6 +34,8 @@ def body(prompt="Hi", stream=False, **fields):
         ("Hi", False, dict(echo=True, logprobs=0), "echo without logprobs"),
         ("Hi", False, dict(seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
         ("Hi", False, dict(top_k=2**63), "top_k holds 9223372036854775808"),
+        ("Hi", False, dict(top_p=float("nan")), "top_p is nan: give a finite number"),
+        ("Hi", False, dict(min_p=float("-inf")), "min_p is -inf"),
         ("Hi", False, dict(seed=-(2**63) - 1), "seed holds -9223372036854775809"),
         ("Hi", False, dict(stop_token_ids=[5, 2**70]), "stop_token_ids holds 1180591620"),
         ([[1, 2], [3, 2**64]], False, {}, "prompt holds 18446744073709551616"),
