@@ -55,7 +55,7 @@ SAMPLING = {
     "max_tokens": st.integers(1, 24),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0, 1),
-    "top_k": st.integers(-1, 100),
+    "top_k": st.one_of(st.integers(-1, 100), st.sampled_from([GPT2_VOCAB_SIZE + 1, 2**31, 2**62])),
     "min_p": st.floats(0, 1),
     "frequency_penalty": st.floats(-2, 2),
     "presence_penalty": st.floats(-2, 2),
