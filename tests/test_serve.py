@@ -349,9 +349,11 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(server):
         (dict(max_completion_tokens=0), "max_tokens must be at least 1, was 0"),
         (dict(seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
         (dict(model="gpt-4"), "Unknown model 'gpt-4', currently serving"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+              tool_choice="required"), "this server has no tool parser"),
     ],
     ids=["n-3", "logit-bias", "temperature-2.5", "zero-max-completion-tokens", "seed-2**64",
-         "unknown-model"],
+         "unknown-model", "required-tool-call"],
 )
 def test_bad_chat_requests_get_400_saying_why(server, body, message):
     response = httpx.post(

@@ -13,7 +13,8 @@ finite (JSON's `NaN`, which Python's parser reads), which MAX's range checks of
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
-(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). A
+(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`), as is a
+chat `tool_choice` that requires a call from a server without a tool parser. A
 client that sent them would take the answer for what it asked.
 
 This module wraps the routes' body parser (`_parse_openai_request_body`, which the
@@ -98,6 +99,19 @@ def check(body: Any) -> None:
             )
 
 
+def check_tool_choice(body: Any, parses_tools: bool) -> None:
+    """Raises `InputError` for a chat body that requires a tool call (`tool_choice`
+    "required" or a named function) from a server without a tool parser
+    (`--tool-parser`): the route neither constrains the model to a call nor reads one
+    from its text, so the answer would be text where the client required a call."""
+    choice = getattr(body, "tool_choice", None)
+    if body.tools and (choice == "required" or isinstance(choice, dict)) and not parses_tools:
+        raise InputError(
+            f"tool_choice={choice!r} is not served: this server has no tool parser "
+            "(--tool-parser), so the model would answer in text, not call a tool."
+        )
+
+
 def refusal(error: ValueError) -> InputError:
     """`error` as an `InputError`, its message encodable: one that quotes a client's text
     (a model name holding a lone surrogate) would fail the 400's own encoding, a 500."""
@@ -132,6 +146,8 @@ def install() -> None:
         if model_cls in (openai_routes.CreateCompletionRequest,
                          openai_routes.CreateChatCompletionRequest):
             check(body)
+        if model_cls is openai_routes.CreateChatCompletionRequest:
+            check_tool_choice(body, openai_routes.get_tool_parser(request.app) is not None)
         return body
 
     parse.checks_bodies = True  # type: ignore[attr-defined]

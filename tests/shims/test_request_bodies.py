@@ -68,6 +68,23 @@ def test_a_chat_body_without_a_prompt_is_checked_by_its_fields():
         request_bodies.check(SimpleNamespace(messages=[], n=3, stream=False))
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_required_tool_call_needs_a_tool_parser(choice):
+    body = SimpleNamespace(tools=TOOLS, tool_choice=choice)
+    with pytest.raises(InputError, match="this server has no tool parser"):
+        request_bodies.check_tool_choice(body, parses_tools=False)
+    request_bodies.check_tool_choice(body, parses_tools=True)
+
+
+@pytest.mark.parametrize("tools, choice", [(TOOLS, None), (TOOLS, "auto"), (TOOLS, "none"),
+                                           (None, "required"), ([], "required")])
+def test_a_tool_call_not_required_passes(tools, choice):
+    request_bodies.check_tool_choice(SimpleNamespace(tools=tools, tool_choice=choice), False)
+
+
 def test_the_routes_sampling_values_out_of_range_say_which():
     request_bodies.install()
     make = openai_routes.SamplingParams.from_input_and_generation_config
