@@ -53,7 +53,6 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
-from .shims.request_bodies import refusal
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
@@ -72,6 +71,13 @@ PLAIN_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+
+
+def refusal(error: ValueError) -> InputError:
+    """`error` as an `InputError` (answered 400 with its message), the message made
+    encodable: one that quotes a client's text (a model name holding a lone surrogate)
+    would fail the answer's own encoding, a 500."""
+    return InputError(str(error).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 class GPT2TextTokenizer(TextTokenizer):
@@ -97,17 +103,25 @@ class GPT2TextTokenizer(TextTokenizer):
             raise InputError("prompt is empty: give at least one token or character.")
         if request.sampling_params.max_new_tokens == 0:
             raise InputError(
-                "max_tokens must be at least 1, was 0 (a request's first step always "
-                "yields a token)."
+                "max_tokens must be at least 1, was 0: a request's first step always "
+                "yields a token (to score a prompt with echo, ask for 1 and drop it)."
             )
         try:
             request = self._with_prepared_schema(self._top_k_cut(request))
             context = await super().new_context(request)
-        except ValueError as error:  # MAX's checks of the request, answered "Value error."
+        except ValueError as error:
+            # MAX's checks of this request (`min_tokens` past the window), which the
+            # routes would answer "Value error." without saying which.
             raise refusal(error) from None
         self._check_ids("prompt", context.tokens.prompt)
-        self._check_ids("stop", request.sampling_params.stop_token_ids or [])
+        self._check_ids("stop", self._own_stop_ids(request))
         return context
+
+    def _own_stop_ids(self, request: TextGenerationRequest) -> list[int]:
+        """The request's `stop_token_ids` but the model's EOS, which MAX puts there from
+        the checkpoint's `generation_config.json` when the client sent none."""
+        return [i for i in request.sampling_params.stop_token_ids or []
+                if i not in self.eos_token_ids]
 
     def _top_k_cut(self, request: TextGenerationRequest) -> TextGenerationRequest:
         """`request` with a `top_k` past the vocabulary cut to it, which keeps the same
@@ -132,15 +146,17 @@ class GPT2TextTokenizer(TextTokenizer):
             )
 
     async def create_eos_tracker(self, request: TextGenerationRequest) -> EOSTracker:
-        """MAX's tracker, keeping the request's `stop_token_ids` under `ignore_eos`: MAX
+        """MAX's tracker, keeping the client's own stop tokens under `ignore_eos`: MAX
         drops them with the model's EOS, so a client that asked to run past EOS and stop
-        at its own tokens got tokens past them (vLLM stops there, as here)."""
+        at its own tokens got tokens past them (vLLM stops there, as here). The model's
+        EOS stays dropped, which MAX also lists among the stop tokens
+        (`_own_stop_ids`)."""
         tracker = await super().create_eos_tracker(request)
-        params = request.sampling_params
-        if not (params.ignore_eos and params.stop_token_ids):
+        own = self._own_stop_ids(request)
+        if not (request.sampling_params.ignore_eos and own):
             return tracker
         return EOSTracker(
-            eos_token_ids=tracker.eos_token_ids | set(params.stop_token_ids),
+            eos_token_ids=tracker.eos_token_ids | set(own),
             eos_sequences=tracker.eos_sequences,
             eos_stop_strings=tracker.eos_stop_strings,
         )

@@ -1,9 +1,18 @@
-"""The default chat template GPT-2 is served with, and a given one taking precedence."""
+"""The default chat template GPT-2 is served with, a given one taking precedence, and a
+request's stop tokens."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
-from max.pipelines.modeling.types import TextGenerationRequestMessage
+from max.pipelines.context import SamplingParams
+from max.pipelines.context.exceptions import InputError
+from max.pipelines.modeling.types import (
+    RequestID,
+    TextGenerationRequest,
+    TextGenerationRequestMessage,
+)
 from transformers import AutoTokenizer
 
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, TOKENIZER_DIR, GPT2TextTokenizer
@@ -35,3 +44,30 @@ def test_a_given_chat_template_wins_over_the_plain_one(checkpoints, max_models):
     given = GPT2TextTokenizer(str(folder), config, chat_template="<{{ messages[0].content }}>")
     assert plain.apply_chat_template(messages, None) == "User: Hi\nAssistant:"
     assert given.apply_chat_template(messages, None) == "<Hi>"
+
+
+def request(**params) -> TextGenerationRequest:
+    return TextGenerationRequest(
+        request_id=RequestID(), model_name="gpt2", prompt=[15496, 995],
+        sampling_params=SamplingParams(**params),
+    )
+
+
+@pytest.mark.tier("model")
+def test_own_stop_tokens_stop_a_request_that_ignores_eos(checkpoints, max_models):
+    """Under `ignore_eos` a client's stop tokens still stop the request, and the model's
+    EOS, which MAX lists among the stop tokens from `generation_config.json` when the
+    client sent none, still does not; an id outside the vocabulary is refused."""
+    folder = checkpoints("default", "hub")
+    tokenizer = GPT2TextTokenizer(str(folder), max_models(folder).pipeline_config)
+    (eos,) = tokenizer.eos_token_ids
+
+    def stops(**params) -> set[int]:
+        return asyncio.run(tokenizer.new_context(request(**params))).eos_tracker.eos_token_ids
+
+    assert stops(ignore_eos=True, stop_token_ids=[eos]) == set()
+    assert stops(ignore_eos=True, stop_token_ids=[eos, 13]) == {13}
+    assert stops(stop_token_ids=[eos, 13]) == {eos, 13}
+    assert stops(ignore_eos=True) == set()
+    with pytest.raises(InputError, match="stop token id 60000 at position 0 is outside"):
+        stops(stop_token_ids=[60000])

@@ -14,11 +14,12 @@ and why, so nothing else in the package imports a private MAX name:
   the sampler's inputs, seeds, masks and call as the text pipeline makes them,
   and a poll of the model worker's request queue).
 - `request_bodies`: a completions body with no prompt, or with several
-  prompts and `stream`, and an integer past 64 bits (MAX 26.7 answers 500), and a
-  body setting a field MAX's routes drop (`n`, `best_of`, `logit_bias`, `suffix`,
-  `echo` without `logprobs`), answered 400 naming the cause; so are a sampling
-  value out of its range and an unknown model name, which MAX answers "Value
-  error.".
+  prompts and `stream`, and an integer past int64 (MAX 26.7 answers 500, or its
+  model worker stops), a number that is not finite, a body setting a field MAX's
+  routes drop (`n`, `best_of`, `logit_bias`, `suffix`, `echo` without
+  `logprobs`), and a chat `tool_choice` requiring a call that no tool parser
+  reads, answered 400 naming the cause; so are a sampling value out of its range
+  and an unknown model name, which MAX answers "Value error.".
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
@@ -77,7 +78,9 @@ logger = logging.getLogger("max.pipelines")
 CARRIED = (
     "exact stop strings (MAX's own matching applies)",
     "structured output on the CPU",
-    "400 for an empty completions prompt, a dropped field or a sampling value out of range",
+    "400 naming the cause for an empty completions prompt, a dropped field, an integer "
+    "past int64, a number not finite, a tool call no parser reads, a sampling value out "
+    "of range or an unknown model",
     "named damaged weight files",
     "decode bursts",
     "the CPU's sampler of plain rows",

@@ -13,9 +13,10 @@ finite (JSON's `NaN`, which Python's parser reads), which MAX's range checks of
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
-(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`), as is a
-chat `tool_choice` that requires a call from a server without a tool parser. A
-client that sent them would take the answer for what it asked.
+(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). A chat
+`tool_choice` that requires a call, from a server without a tool parser, is answered
+in text (`check_tool_choice`). A client that sent them would take the answer for what
+it asked.
 
 This module wraps the routes' body parser (`_parse_openai_request_body`, which the
 routes look up by name as they run) so such a completions or chat body is refused
@@ -37,12 +38,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 from max.pipelines.context import SamplingParams
 from max.pipelines.context.exceptions import InputError
 from max.serve.router import openai_routes
+
+from ..tokenizer import refusal
 
 UNSERVED = {
     "n": ("one choice a request", lambda value: value is not None and value != 1),
@@ -69,8 +71,9 @@ def integers(value: Any) -> list[int]:
 
 def check(body: Any) -> None:
     """Raises `InputError` for a completions or chat body MAX's routes would answer 500
-    (no prompt, several streamed, an integer past `INTEGERS`), or answer without a field
-    it sets (`UNSERVED`, echoed text)."""
+    (no prompt, several streamed, an integer past `INTEGERS`), pass on to the sampler
+    (a number that is not finite), or answer without a field it sets (`UNSERVED`,
+    echoed text)."""
     for name, value in vars(body).items():
         for number in integers(value):
             if not INTEGERS[0] <= number <= INTEGERS[1]:
@@ -101,21 +104,21 @@ def check(body: Any) -> None:
 
 def check_tool_choice(body: Any, parses_tools: bool) -> None:
     """Raises `InputError` for a chat body that requires a tool call (`tool_choice`
-    "required" or a named function) from a server without a tool parser
+    "required", a named function or custom tool, or allowed tools in "required" mode)
+    from a server without a tool parser
     (`--tool-parser`): the route neither constrains the model to a call nor reads one
     from its text, so the answer would be text where the client required a call."""
     choice = getattr(body, "tool_choice", None)
-    if body.tools and (choice == "required" or isinstance(choice, dict)) and not parses_tools:
+    required = choice == "required" or isinstance(choice, dict) and (
+        choice.get("type") in ("function", "custom")
+        or choice.get("type") == "allowed_tools"
+        and (choice.get("allowed_tools") or {}).get("mode") == "required"
+    )
+    if body.tools and required and not parses_tools:
         raise InputError(
             f"tool_choice={choice!r} is not served: this server has no tool parser "
             "(--tool-parser), so the model would answer in text, not call a tool."
         )
-
-
-def refusal(error: ValueError) -> InputError:
-    """`error` as an `InputError`, its message encodable: one that quotes a client's text
-    (a model name holding a lone surrogate) would fail the 400's own encoding, a 500."""
-    return InputError(str(error).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,15 +133,21 @@ def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
+class CheckedSamplingParams(SamplingParams):
+    """MAX's `SamplingParams` for the routes, whose one call of it
+    (`from_input_and_generation_config`) raises its range checks as `InputError`."""
+
+    from_input_and_generation_config = staticmethod(
+        raises_input_error(SamplingParams.from_input_and_generation_config))
+
+
 def install() -> None:
     """Wraps the routes' body parser with `check` for completions and chat bodies, and
     their `SamplingParams` and `get_pipeline` with `raises_input_error` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
-    openai_routes.SamplingParams = SimpleNamespace(
-        from_input_and_generation_config=raises_input_error(
-            SamplingParams.from_input_and_generation_config))
+    openai_routes.SamplingParams = CheckedSamplingParams
     openai_routes.get_pipeline = raises_input_error(openai_routes.get_pipeline)
 
     async def parse(request: Any, request_id: str, model_cls: type) -> Any:

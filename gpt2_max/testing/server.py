@@ -303,9 +303,9 @@ def max_serve(
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         # One client for every poll: `httpx.get` builds a client, and its TLS context,
-        # at each call, which at `READY_POLL_S` kept a tenth of a 2-core CPU busy while
-        # the server started: enough for the server's kernel choice, timed then, not to
-        # be kept (`layers/kernel_choice.py`).
+        # at each call, which at `READY_POLL_S` kept a small CPU busy enough, while the
+        # server started, for the server's kernel choice, timed then, not to be kept
+        # (`layers/kernel_choice.py`).
         with httpx.Client(timeout=2) as client:
             while True:
                 if process.poll() is not None:

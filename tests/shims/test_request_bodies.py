@@ -71,7 +71,11 @@ def test_a_chat_body_without_a_prompt_is_checked_by_its_fields():
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "f"}},
+    {"type": "custom", "custom": {"name": "f"}},
+    {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}},
+])
 def test_a_required_tool_call_needs_a_tool_parser(choice):
     body = SimpleNamespace(tools=TOOLS, tool_choice=choice)
     with pytest.raises(InputError, match="this server has no tool parser"):
@@ -79,8 +83,10 @@ def test_a_required_tool_call_needs_a_tool_parser(choice):
     request_bodies.check_tool_choice(body, parses_tools=True)
 
 
-@pytest.mark.parametrize("tools, choice", [(TOOLS, None), (TOOLS, "auto"), (TOOLS, "none"),
-                                           (None, "required"), ([], "required")])
+@pytest.mark.parametrize("tools, choice", [
+    (TOOLS, None), (TOOLS, "auto"), (TOOLS, "none"), (None, "required"), ([], "required"),
+    (TOOLS, {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
+])
 def test_a_tool_call_not_required_passes(tools, choice):
     request_bodies.check_tool_choice(SimpleNamespace(tools=tools, tool_choice=choice), False)
 
@@ -90,7 +96,8 @@ def test_the_routes_sampling_values_out_of_range_say_which():
     make = openai_routes.SamplingParams.from_input_and_generation_config
     defaults = SamplingParamsGenerationConfigDefaults()
     made = make(SamplingParamsInput(temperature=0.5), sampling_params_defaults=defaults)
-    assert isinstance(made, SamplingParams) and made.temperature == 0.5
+    assert type(made) is SamplingParams and made.temperature == 0.5
+    assert issubclass(openai_routes.SamplingParams, SamplingParams)
     with pytest.raises(InputError, match=r"temperature must be in \[0.0, 2.0\], was 5"):
         make(SamplingParamsInput(temperature=5.0), sampling_params_defaults=defaults)
 
