@@ -53,6 +53,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
+from .shims.request_bodies import refusal
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
@@ -71,13 +72,6 @@ PLAIN_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-
-
-def refusal(error: ValueError) -> InputError:
-    """`error` as an `InputError` (answered 400 with its message), the message made
-    encodable: one that quotes a client's text (a model name holding a lone surrogate)
-    would fail the answer's own encoding, a 500."""
-    return InputError(str(error).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 class GPT2TextTokenizer(TextTokenizer):

@@ -44,8 +44,6 @@ from max.pipelines.context import SamplingParams
 from max.pipelines.context.exceptions import InputError
 from max.serve.router import openai_routes
 
-from ..tokenizer import refusal
-
 UNSERVED = {
     "n": ("one choice a request", lambda value: value is not None and value != 1),
     "best_of": ("one choice a request", lambda value: value is not None and value != 1),
@@ -119,6 +117,13 @@ def check_tool_choice(body: Any, parses_tools: bool) -> None:
             f"tool_choice={choice!r} is not served: this server has no tool parser "
             "(--tool-parser), so the model would answer in text, not call a tool."
         )
+
+
+def refusal(error: ValueError) -> InputError:
+    """`error` as an `InputError` (answered 400 with its message), the message made
+    encodable: one that quotes a client's text (a model name holding a lone surrogate)
+    would fail the answer's own encoding, a 500."""
+    return InputError(str(error).encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
