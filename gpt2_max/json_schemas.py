@@ -47,8 +47,19 @@ _NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "d
 _VALUE_TYPES = frozenset({"string", "number", "integer", "boolean", "null"})
 
 
+MAX_DEPTH = 64
+"""The JSON nesting a schema may have. Python's recursion, in this module's walks and in
+the engines' compilers, gives out near a thousand levels, and no schema a model is
+asked to follow needs a tenth of that."""
+MAX_NUMBERS = 128
+"""The number and integer subschemas a schema may hold. The server's xgrammar compiles
+each bounded number (`NUMBER_RULE`) to an automaton of its own, and their memory, in
+the model worker, grows with their count until the worker is killed
+(`benchmarks/results/2026-11-29-hostile-requests.md`)."""
+
+
 class SchemaError(ValueError):
-    """A schema that has no finite value."""
+    """A schema that has no finite value, or is larger than a request may ask for."""
 
 
 def prepare(schema: Any, *, multiple_of: bool) -> Any:
@@ -56,14 +67,38 @@ def prepare(schema: Any, *, multiple_of: bool) -> Any:
 
     `multiple_of` adds the fraction limit as `multipleOf` (llguidance); without
     it the engine's own limit for bounded numbers applies (xgrammar).
-    Raises `SchemaError` naming the cycle of a schema with no finite value.
+    Raises `SchemaError` naming the cycle of a schema with no finite value, and for
+    one past `MAX_DEPTH` or `MAX_NUMBERS`.
     """
+    check_size(schema)
     if cycle := infinite_cycle(schema):
         raise SchemaError(
             f"json_schema has no finite value: {cycle} is required all the way round; "
             "make one property or item on that cycle optional."
         )
     return bound_numbers(schema, multiple_of=multiple_of)
+
+
+def check_size(schema: Any) -> None:
+    """Raises `SchemaError` for a schema nested past `MAX_DEPTH` or holding more than
+    `MAX_NUMBERS` numbers; walked without recursion, so any depth is measured."""
+    numbers = 0
+    stack = [(schema, 1, True)]  # (node, its depth, whether it is a subschema)
+    while stack:
+        node, depth, is_schema = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"json_schema nests deeper than {MAX_DEPTH} levels.")
+        if isinstance(node, dict):
+            numbers += is_schema and bool(_types(node) & {"number", "integer"})
+            stack.extend((value, depth + 1, is_schema and key not in _NOT_SCHEMAS)
+                         for key, value in node.items())
+        elif isinstance(node, list):
+            stack.extend((item, depth + 1, is_schema) for item in node)
+    if numbers > MAX_NUMBERS:
+        raise SchemaError(
+            f"json_schema holds {numbers} number or integer fields; at most {MAX_NUMBERS} "
+            "are served, each being a grammar of its own."
+        )
 
 
 def bound_numbers(schema: Any, *, multiple_of: bool) -> Any:

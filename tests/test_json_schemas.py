@@ -14,6 +14,8 @@ from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
 from gpt2_max.json_schemas import (
     FRACTION_DIGITS,
     INTEGER_DIGITS,
+    MAX_DEPTH,
+    MAX_NUMBERS,
     SchemaError,
     bound_numbers,
     infinite_cycle,
@@ -135,3 +137,29 @@ def test_both_engines_write_numbers_by_the_one_rule(tokenizer, schema) -> None:
     for engine, accept in accepts(tokenizer).items():
         for text, want in cases.items():
             assert accept(schema, text) == want, (engine, schema, text)
+
+
+def nested(levels: int) -> dict:
+    """`levels` objects, one inside the other: 2 JSON levels each, a string at the core."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def numbers(count: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": ["integer", "null"]}
+                                             for i in range(count)}}
+
+
+def test_a_schema_past_the_size_a_request_may_ask_for_is_refused() -> None:
+    prepare(nested(MAX_DEPTH // 2 - 1), multiple_of=False)
+    prepare(numbers(MAX_NUMBERS), multiple_of=False)
+    # Numbers in data (enum, const, default) are not subschemas; data nests too.
+    prepare({"enum": [{"type": "integer"}] * 1000, "const": 5}, multiple_of=False)
+    with pytest.raises(SchemaError, match=f"nests deeper than {MAX_DEPTH} levels"):
+        prepare(nested(5000), multiple_of=False)  # measured without recursion
+    with pytest.raises(SchemaError, match=f"nests deeper than {MAX_DEPTH}"):
+        prepare({"const": nested(MAX_DEPTH)}, multiple_of=False)
+    with pytest.raises(SchemaError, match=f"holds {MAX_NUMBERS + 1} number or integer"):
+        prepare(numbers(MAX_NUMBERS + 1), multiple_of=False)

@@ -326,6 +326,16 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, hf_models, bo
     assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
 
 
+def test_a_body_nested_past_python_s_recursion_gets_400(server):
+    """MAX's body parser (`json.loads`) raises `RecursionError` on it, which no route
+    catches."""
+    body = '{"model": "gpt2", "prompt": ' + "[" * 5000 + "]" * 5000 + "}"
+    response = httpx.post(f"{server}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "the request body nests too deep to be read" in response.text
+
+
 def test_a_top_k_past_the_vocabulary_keeps_every_token(server):
     """A top_k of 2**31 beside top_p stopped MAX 26.7's model worker; it is cut to the
     vocabulary, whose every token it keeps, so the seeded answer is top_k=vocabulary's."""

@@ -257,6 +257,11 @@ CYCLE = {
 }
 
 
+NESTED_40: dict = {"type": "string"}
+for _ in range(40):
+    NESTED_40 = {"type": "object", "properties": {"a": NESTED_40}}
+
+
 @pytest.mark.parametrize(
     "schema, reason",
     [
@@ -265,8 +270,14 @@ CYCLE = {
         # xgrammar refuses multipleOf outright (docs/structured-output.md: bounded numbers).
         ({"type": "number", "multipleOf": 0.5}, "unsupported schema keyword: multipleOf"),
         ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum greater than maximum"),
+        # 200 bounded integers: past MAX_NUMBERS, whose grammars' memory killed the worker
+        # at 5000 (benchmarks/results/2026-11-29-hostile-requests.md).
+        ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(200)}},
+         "json_schema holds 200 number or integer fields; at most 128 are served"),
+        (NESTED_40, "json_schema nests deeper than 64 levels"),
     ],
-    ids=["no-finite-value", "bad-pattern", "multipleOf", "empty-range"],
+    ids=["no-finite-value", "bad-pattern", "multipleOf", "empty-range", "200-integers",
+         "nested-40-objects"],
 )
 def test_bad_schemas_get_400_with_the_reason_and_the_server_keeps_serving(
     served, schema, reason

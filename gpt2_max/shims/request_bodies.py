@@ -5,9 +5,11 @@ answered 400 with their cause.
 first request without checking there is one (`"prompt": []`), and refuses a
 streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
-An integer past int64 (a `seed`, `top_k`, a stop token id) passes the routes' checks
+A body nested a thousand levels deep fails the routes' own JSON parsing (an uncaught
+`RecursionError`). An integer past int64 (a `seed`, `top_k`, a stop token id) passes
+the routes' checks
 and fails later: as MAX's request queue serializes it, or in the model worker, whose
-exit stops the server. All three are the client's mistake, as is a number that is not
+exit stops the server. All four are the client's mistake, as is a number that is not
 finite (JSON's `NaN`, which Python's parser reads), which MAX's range checks of
 `top_p` and `min_p` let through to the sampler.
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
@@ -156,7 +158,10 @@ def install() -> None:
     openai_routes.get_pipeline = raises_input_error(openai_routes.get_pipeline)
 
     async def parse(request: Any, request_id: str, model_cls: type) -> Any:
-        body = await original(request, request_id, model_cls)
+        try:
+            body = await original(request, request_id, model_cls)
+        except RecursionError:  # `json.loads` of a body nested past Python's recursion
+            raise InputError("the request body nests too deep to be read.") from None
         if model_cls in (openai_routes.CreateCompletionRequest,
                          openai_routes.CreateChatCompletionRequest):
             check(body)
