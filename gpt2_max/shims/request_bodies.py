@@ -105,9 +105,9 @@ def check(body: Any) -> None:
 def check_tool_choice(body: Any, parses_tools: bool) -> None:
     """Raises `InputError` for a chat body that requires a tool call (`tool_choice`
     "required", a named function or custom tool, or allowed tools in "required" mode)
-    from a server without a tool parser
-    (`--tool-parser`): the route neither constrains the model to a call nor reads one
-    from its text, so the answer would be text where the client required a call."""
+    from a server without a tool parser (`--tool-parser`): the route neither constrains
+    the model to a call nor reads one from its text, so the answer would be text where
+    the client required a call."""
     choice = getattr(body, "tool_choice", None)
     required = choice == "required" or isinstance(choice, dict) and (
         choice.get("type") in ("function", "custom")
