@@ -7,11 +7,11 @@ streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
 A body nested a thousand levels deep fails the routes' own JSON parsing (an uncaught
 `RecursionError`). An integer past int64 (a `seed`, `top_k`, a stop token id) passes
-the routes' checks
-and fails later: as MAX's request queue serializes it, or in the model worker, whose
-exit stops the server. All four are the client's mistake, as is a number that is not
-finite (JSON's `NaN`, which Python's parser reads), which MAX's range checks of
-`top_p` and `min_p` let through to the sampler.
+the routes' checks and fails later: as MAX's request queue serializes it, or in the
+model worker, whose exit stops the server. All four are the client's mistake, as is a
+number that is not finite (JSON's `NaN`, which Python's parser reads), which MAX's
+range checks of `top_p` and `min_p` let through to the sampler.
+
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
@@ -85,13 +85,13 @@ def check(body: Any) -> None:
         value = getattr(body, name, None)
         if asks_more(value):
             raise InputError(f"{name}={value!r} is not served: this server gives {served}.")
-    prompt = getattr(body, "prompt", None)
     if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
         raise InputError(
             "echo without logprobs is not served: this server echoes the prompt's "
             "log-probabilities (with logprobs, on a server started with --enable-echo), "
             "not its text."
         )
+    prompt = getattr(body, "prompt", None)
     if isinstance(prompt, list):
         if not prompt:
             raise InputError("prompt is empty: give a string, or a list of token ids or strings.")
