@@ -285,7 +285,7 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
          "min_tokens (5) + prompt_len (2) must be less than or equal to max_length (5)"),
         (dict(prompt="Hi", n=2), "n=2 is not served: this server gives one choice"),
         (dict(prompt="Hi", best_of=2), "best_of=2 is not served"),
-        (dict(prompt="Hi", logit_bias={"13": 50}), "is not served: this server gives no logit"),
+        (dict(prompt="Hi", logit_bias={"13": 50}), "is not served: this server applies no logit"),
         (dict(prompt="Hi", suffix="."), "suffix='.' is not served"),
         (dict(prompt="Hi", echo=True), "echo without logprobs is not served"),
         (dict(prompt="Hi", seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
@@ -354,16 +354,27 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(server):
     "body, message",
     [
         (dict(n=3), "n=3 is not served: this server gives one choice"),
-        (dict(logit_bias={"13": 50}), "is not served: this server gives no logit bias"),
+        (dict(logit_bias={"13": 50}), "is not served: this server applies no logit bias"),
         (dict(temperature=2.5), "temperature must be in [0.0, 2.0], was 2.5"),
         (dict(max_completion_tokens=0), "max_tokens must be at least 1, was 0"),
         (dict(seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
         (dict(model="gpt-4"), "Unknown model 'gpt-4', currently serving"),
         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
               tool_choice="required"), "this server has no tool parser"),
+        (dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}),
+         "modalities=['text', 'audio'] is not served: this server answers in text"),
+        (dict(functions=[{"name": "f", "parameters": {}}], function_call={"name": "f"}),
+         "functions is not served: give them as tools"),
+        (dict(web_search_options={}), "web_search_options={} is not served"),
+        (dict(top_logprobs=2), "top_logprobs is set and logprobs is not"),
+        (dict(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Hi"},
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]),
+         "a content part of type 'input_audio' is not served: this server reads text parts"),
     ],
     ids=["n-3", "logit-bias", "temperature-2.5", "zero-max-completion-tokens", "seed-2**64",
-         "unknown-model", "required-tool-call"],
+         "unknown-model", "required-tool-call", "audio-out", "functions", "web-search",
+         "top-logprobs-alone", "audio-part"],
 )
 def test_bad_chat_requests_get_400_saying_why(server, body, message):
     response = httpx.post(
@@ -374,6 +385,28 @@ def test_bad_chat_requests_get_400_saying_why(server, body, message):
     )
     assert response.status_code == 400, response.text
     assert message in response.text
+
+
+def test_a_body_that_is_not_utf8_gets_400_saying_so(server):
+    response = httpx.post(f"{server}/v1/completions",
+                          content=b'{"model": "gpt2", "prompt": "\xff\xfe", "max_tokens": 2}',
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "the request body is not UTF-8: invalid start byte at byte 29" in response.text
+
+
+@pytest.mark.parametrize("body", [dict(input="Hi"), dict(input=["Hi", "there"]), dict(input="")])
+def test_embeddings_get_404_from_a_text_generation_server(server, hf_models, body):
+    """MAX 26.7 sent them to the text worker and answered 500."""
+    response = httpx.post(f"{server}/v1/embeddings", json={"model": MODEL_NAME, **body},
+                          timeout=60)
+    assert response.status_code == 404, response.text
+    assert "not serving an embeddings model" in response.json()["error"]["message"]
+    prompt = random_prompt(12, seed=98)
+    after = client(server).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY
+    )
+    assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
 
 
 def test_chunked_prefill_matches_transformers(chunking_server, hf_models):

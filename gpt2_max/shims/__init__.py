@@ -17,9 +17,12 @@ and why, so nothing else in the package imports a private MAX name:
   prompts and `stream`, and an integer past int64 (MAX 26.7 answers 500, or its
   model worker stops), a number that is not finite, a body setting a field MAX's
   routes drop (`n`, `best_of`, `logit_bias`, `suffix`, `echo` without
-  `logprobs`), and a chat `tool_choice` requiring a call that no tool parser
-  reads, answered 400 naming the cause; so are a sampling value out of its range
-  and an unknown model name, which MAX answers "Value error.".
+  `logprobs`; in a chat audio output, web search, `functions`, `top_logprobs`
+  without `logprobs`, a content part that is not text), and a chat `tool_choice`
+  requiring a call that no tool parser reads, answered 400 naming the cause; so
+  are a body that is not UTF-8, a sampling value out of its range and an unknown
+  model name, which MAX answers "Value error.". `/v1/embeddings`, which MAX
+  sends to the text worker and answers 500, gets 404.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's

@@ -15,14 +15,17 @@ range checks of `top_p` and `min_p` let through to the sampler.
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
-(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). A chat
-`tool_choice` that requires a call, from a server without a tool parser, is answered
-in text (`check_tool_choice`). A client that sent them would take the answer for what
-it asked.
+(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). In a chat,
+audio output, web search, the older `functions`, `top_logprobs` without `logprobs`,
+and a content part that is not text (an `input_audio` or `file` part) are dropped the
+same way, and a `tool_choice` that requires a call, from a server without a tool
+parser, is answered in text (`check_tool_choice`). A client that sent them would take
+the answer for what it asked.
 
 This module wraps the routes' body parser (`_parse_openai_request_body`, which the
 routes look up by name as they run) so such a completions or chat body is refused
-there with `InputError`, which the routes answer 400 with its message. Every other
+there with `InputError`, which the routes answer 400 with its message, as is a body
+that is not UTF-8 (a `ValueError`, which the routes answer "Value error."). Every other
 body is parsed as before.
 
 Two of MAX's own checks raise `ValueError` with a message that says what is wrong,
@@ -30,7 +33,8 @@ and the routes answer every `ValueError` "Value error.": a sampling value out of
 range (`SamplingParams`) and a model name the server does not serve
 (`get_pipeline`). The routes' `SamplingParams` is given a
 `from_input_and_generation_config`, and their `get_pipeline` a wrapper, that raise the
-same check as `InputError`, so the answer is 400 with that message.
+same check as `InputError`, so the answer is 400 with that message. The wrapper also
+answers `/v1/embeddings` 404 on this text generation server (`refuses_embeddings`).
 
 Installed by `shims.install`; it acts in the API process.
 """
@@ -39,21 +43,30 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import HTTPException
 from max.pipelines.context import SamplingParams
 from max.pipelines.context.exceptions import InputError
+from max.pipelines.modeling.types import PipelineTask
 from max.serve.router import openai_routes
 
 UNSERVED = {
-    "n": ("one choice a request", lambda value: value is not None and value != 1),
-    "best_of": ("one choice a request", lambda value: value is not None and value != 1),
-    "logit_bias": ("no logit bias", bool),
-    "suffix": ("no suffix", bool),
+    "n": ("this server gives one choice a request", lambda value: value not in (None, 1)),
+    "best_of": ("this server gives one choice a request", lambda value: value not in (None, 1)),
+    "logit_bias": ("this server applies no logit bias", bool),
+    "suffix": ("this server writes no suffix", bool),
+    "modalities": ("this server answers in text", lambda value: bool(set(value or ()) - {"text"})),
+    "audio": ("this server answers in text, not audio", lambda value: value is not None),
+    "functions": ("give them as tools (`tools`)", lambda value: value is not None),
+    "function_call": ("give it as `tool_choice`", lambda value: value is not None),
+    "web_search_options": ("this server does not search the web",
+                           lambda value: value is not None),
 }
-"""Fields MAX's routes accept and drop: what is served instead, and whether a value asks
-for more than that."""
+"""Fields MAX's routes accept and drop: why the answer would not be what was asked, and
+whether a value asks for more than the plain answer."""
 
 INTEGERS = (-(2**63), 2**63 - 1)
 """The integers a request may carry, int64's: past them a field passes the routes'
@@ -73,7 +86,8 @@ def check(body: Any) -> None:
     """Raises `InputError` for a completions or chat body MAX's routes would answer 500
     (no prompt, several streamed, an integer past `INTEGERS`), pass on to the sampler
     (a number that is not finite), or answer without a field it sets (`UNSERVED`,
-    echoed text)."""
+    echoed text, `top_logprobs` without `logprobs`, a chat content part that is not
+    text)."""
     for name, value in vars(body).items():
         for number in integers(value):
             if not INTEGERS[0] <= number <= INTEGERS[1]:
@@ -81,10 +95,20 @@ def check(body: Any) -> None:
                                  "can carry.")
         if isinstance(value, float) and not math.isfinite(value):
             raise InputError(f"{name} is {value}: give a finite number.")
-    for name, (served, asks_more) in UNSERVED.items():
+    for name, (why, asks_more) in UNSERVED.items():
         value = getattr(body, name, None)
         if asks_more(value):
-            raise InputError(f"{name}={value!r} is not served: this server gives {served}.")
+            shown = f"={reprlib.repr(value)}" if isinstance(value, str | int | list | dict) else ""
+            raise InputError(f"{name}{shown} is not served: {why}.")
+    if getattr(body, "top_logprobs", None) is not None and not getattr(body, "logprobs", None):
+        raise InputError("top_logprobs is set and logprobs is not: set logprobs to true to "
+                         "get log-probabilities.")
+    for message in getattr(body, "messages", None) or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise InputError(f"a content part of type {reprlib.repr(part.get('type'))} "
+                                 "is not served: this server reads text parts only.")
     if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
         raise InputError(
             "echo without logprobs is not served: this server echoes the prompt's "
@@ -140,6 +164,24 @@ def raises_input_error(function: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
+def refuses_embeddings(get_pipeline: Callable[..., Any]) -> Callable[..., Any]:
+    """`get_pipeline`, answering the embeddings route 404 where the server does not serve
+    an embeddings model, as MAX's audio routes answer for a model that is not an audio
+    model. MAX 26.7's embeddings route sends such a request to the text generation
+    worker, which generates for it, and then answers 500 as the output is not an
+    embedding (or at once, for an empty `input`)."""
+    @functools.wraps(get_pipeline)
+    def checked(request: Any, model_name: str) -> Any:
+        if (request.url.path.endswith("/embeddings") and getattr(request.app.state, "task", None)
+                != PipelineTask.EMBEDDINGS_GENERATION):
+            raise HTTPException(status_code=404, detail=(
+                "This server is not serving an embeddings model, so /v1/embeddings is "
+                "unavailable."))
+        return get_pipeline(request, model_name)
+
+    return checked
+
+
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
     (`from_input_and_generation_config`) raises its range checks as `InputError`."""
@@ -149,19 +191,23 @@ class CheckedSamplingParams(SamplingParams):
 
 
 def install() -> None:
-    """Wraps the routes' body parser with `check` for completions and chat bodies, and
-    their `SamplingParams` and `get_pipeline` with `raises_input_error` (once)."""
+    """Wraps the routes' body parser with `check` for completions and chat bodies, their
+    `SamplingParams` with `raises_input_error`, and their `get_pipeline` with that and
+    `refuses_embeddings` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
     openai_routes.SamplingParams = CheckedSamplingParams
-    openai_routes.get_pipeline = raises_input_error(openai_routes.get_pipeline)
+    openai_routes.get_pipeline = refuses_embeddings(raises_input_error(openai_routes.get_pipeline))
 
     async def parse(request: Any, request_id: str, model_cls: type) -> Any:
         try:
             body = await original(request, request_id, model_cls)
         except RecursionError:  # `json.loads` of a body nested past Python's recursion
             raise InputError("the request body nests too deep to be read.") from None
+        except UnicodeDecodeError as error:  # a ValueError, which the routes answer unnamed
+            raise InputError(f"the request body is not UTF-8: {error.reason} at byte "
+                             f"{error.start}.") from None
         if model_cls in (openai_routes.CreateCompletionRequest,
                          openai_routes.CreateChatCompletionRequest):
             check(body)

@@ -4,9 +4,11 @@ and the sampling values it answers "Value error.", refused by name."""
 from types import SimpleNamespace
 
 import pytest
+from fastapi import HTTPException
 from max.pipelines.context import SamplingParams, SamplingParamsInput
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.context.sampling_params import SamplingParamsGenerationConfigDefaults
+from max.pipelines.modeling.types import PipelineTask
 from max.serve.router import openai_routes
 
 from gpt2_max.shims import request_bodies
@@ -39,6 +41,13 @@ def body(prompt="Hi", stream=False, **fields):
         ("Hi", False, dict(seed=-(2**63) - 1), "seed holds -9223372036854775809"),
         ("Hi", False, dict(stop_token_ids=[5, 2**70]), "stop_token_ids holds 1180591620"),
         ([[1, 2], [3, 2**64]], False, {}, "prompt holds 18446744073709551616"),
+        ("Hi", False, dict(modalities=["audio"]), r"modalities=\['audio'\] is not served"),
+        ("Hi", False, dict(audio={"voice": "alloy"}), "audio={'voice': 'alloy'} is not served"),
+        ("Hi", False, dict(functions=iter([])), "functions is not served: give them as tools"),
+        ("Hi", False, dict(function_call="auto"), "function_call='auto' is not served"),
+        ("Hi", False, dict(web_search_options={}), "does not search the web"),
+        ("Hi", False, dict(logprobs=False, top_logprobs=0), "top_logprobs is set and logprobs"),
+        ("Hi", False, dict(logit_bias={str(i): 1 for i in range(1000)}), r"\.\.\.\} is not"),
     ],
 )
 def test_bodies_the_routes_answer_wrongly_are_refused_naming_the_cause(
@@ -56,6 +65,9 @@ def test_bodies_the_routes_answer_wrongly_are_refused_naming_the_cause(
         ("Hi", False, dict(n=None, best_of=None, logit_bias=None, suffix=None, echo=None)),
         ("Hi", False, dict(echo=True, logprobs=1)), ("Hi", False, dict(echo=False)),
         ("Hi", False, dict(seed=2**63 - 1, top_k=-(2**63), stop_token_ids=[2**62], user="x")),
+        ("Hi", False, dict(modalities=["text"], audio=None, functions=None, function_call=None,
+                           web_search_options=None, logprobs=True, top_logprobs=3)),
+        ("Hi", False, dict(modalities=None, logprobs=None, top_logprobs=None)),
     ],
 )
 def test_other_bodies_pass(prompt, stream, fields):
@@ -66,6 +78,40 @@ def test_a_chat_body_without_a_prompt_is_checked_by_its_fields():
     request_bodies.check(SimpleNamespace(messages=[], n=1, stream=False))
     with pytest.raises(InputError, match="n=3"):
         request_bodies.check(SimpleNamespace(messages=[], n=3, stream=False))
+
+
+def chat(*contents):
+    return SimpleNamespace(messages=[{"role": "user", "content": c} for c in contents],
+                           stream=False)
+
+
+@pytest.mark.parametrize("part_type", ["input_audio", "file", "image_url", "refusal", None])
+def test_a_chat_content_part_that_is_not_text_is_refused_by_its_type(part_type):
+    with pytest.raises(InputError, match=f"a content part of type {part_type!r} is not served"):
+        request_bodies.check(chat("Hi", [{"type": "text", "text": "a"}, {"type": part_type}]))
+
+
+def test_chat_contents_of_text_pass_and_others_are_left_to_the_route():
+    request_bodies.check(chat("Hi", None, [], [{"type": "text", "text": "a"}], 5, ["not a part"]))
+    request_bodies.check(SimpleNamespace(messages=["not a message"], stream=False))
+
+
+def test_the_embeddings_route_of_a_text_server_is_404():
+    request_bodies.install()
+
+    def request(path, task):
+        pipeline = SimpleNamespace(model_name="gpt2", lora_queue=None,
+                                   tokenizer=SimpleNamespace())
+        return SimpleNamespace(url=SimpleNamespace(path=path), app=SimpleNamespace(
+            state=SimpleNamespace(pipeline=pipeline, task=task)))
+
+    with pytest.raises(HTTPException) as raised:
+        openai_routes.get_pipeline(request("/v1/embeddings", PipelineTask.TEXT_GENERATION), "")
+    assert raised.value.status_code == 404
+    assert "not serving an embeddings model" in raised.value.detail
+    with pytest.raises(InputError, match="Unknown model"):  # past the route check, MAX's own
+        openai_routes.get_pipeline(
+            request("/v1/embeddings", PipelineTask.EMBEDDINGS_GENERATION), "gpt-4")
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
@@ -105,7 +151,8 @@ def test_the_routes_sampling_values_out_of_range_say_which():
 def test_a_model_the_server_does_not_serve_is_named():
     request_bodies.install()
     pipeline = SimpleNamespace(model_name="gpt2", lora_queue=None)
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(pipeline=pipeline)))
+    request = SimpleNamespace(url=SimpleNamespace(path="/v1/completions"),
+                              app=SimpleNamespace(state=SimpleNamespace(pipeline=pipeline)))
     with pytest.raises(InputError, match="Unknown model 'gpt-4', currently serving"):
         openai_routes.get_pipeline(request, "gpt-4")
     with pytest.raises(InputError) as raised:  # a lone surrogate, escaped to be sent
