@@ -237,6 +237,44 @@ def test_stop_strings_cut_the_text_exactly(server, hf_models, checkpoints):
     assert 28 <= sum(stopped for *_, (_, stopped) in cases) <= 56 - 8
 
 
+def test_stop_strings_keep_one_log_probability_a_token_streamed_or_not(server, checkpoints):
+    """A stream's chunk whose text the stop cut to nothing kept its token but lost its
+    log-probability (MAX's streaming routes drop a textless chunk's)."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints("default", "hub"))
+    for i in range(8):
+        prompt = random_prompt(8, seed=700 + i)
+        base = dict(model=MODEL_NAME, prompt=prompt, max_tokens=STOP_TOKENS, logprobs=2,
+                    temperature=0, **GREEDY["extra_body"])
+        free = httpx.post(f"{server}/v1/completions", json=base, timeout=60).json()
+        ids = free["choices"][0]["token_ids"]
+        ends = [len(tokenizer.decode(ids[:n])) for n in range(1, len(ids) + 1)]
+        stop = free["choices"][0]["text"][ends[i % 4]:ends[i % 4] + 1 + i % 2]  # token i%4+1's
+        whole = httpx.post(f"{server}/v1/completions", json={**base, "stop": [stop]},
+                           timeout=60).json()
+        choice, count = whole["choices"][0], whole["usage"]["completion_tokens"]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"]) == count
+        assert choice["logprobs"]["token_logprobs"] == free["choices"][0]["logprobs"][
+            "token_logprobs"][:count]
+        with httpx.stream("POST", f"{server}/v1/completions",
+                          json={**base, "stop": [stop], "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert [lp for c in chunks if c.get("logprobs")
+                for lp in c["logprobs"]["token_logprobs"]] == choice["logprobs"]["token_logprobs"]
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+
+
+def test_chat_logprobs_with_top_logprobs_0_give_each_token_s(server):
+    """MAX 26.7's route passed `top_logprobs` 0 on as no log-probabilities at all."""
+    body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                logprobs=True, temperature=0, **GREEDY["extra_body"])
+    asked = {n: httpx.post(f"{server}/v1/chat/completions", json={**body, "top_logprobs": n},
+                           timeout=60).json()["choices"][0]["logprobs"]["content"]
+             for n in (0, 1)}
+    assert len(asked[0]) == 5
+    assert [t["logprob"] for t in asked[0]] == [t["logprob"] for t in asked[1]]
+
+
 def test_same_seed_samples_the_same_tokens(server):
     prompt = random_prompt(10, seed=11)
     sample = lambda: token_ids(  # noqa: E731
@@ -430,9 +468,10 @@ def test_echo_returns_the_prompt_logprobs(chunking_server, hf_models):
 
 
 def test_seeded_sampling_matches_the_in_process_generator(server, generator):
-    """The same request with the same seed draws the same tokens in-process and served."""
+    """The same request with the same seed draws the same tokens in-process and served;
+    seed 0 too, which MAX 26.7's routes take for no seed."""
     prompt = random_prompt(12, seed=8)
-    for seed in (1, 2):
+    for seed in (0, 1, 2):
         options = dict(temperature=1.0, top_p=0.9, seed=seed)
         response = client(server).completions.create(
             model=MODEL_NAME, prompt=prompt, max_tokens=16,

@@ -35,12 +35,16 @@ range (`SamplingParams`) and a model name the server does not serve
 `from_input_and_generation_config`, and their `get_pipeline` a wrapper, that raise the
 same check as `InputError`, so the answer is 400 with that message. The wrapper also
 answers `/v1/embeddings` 404 on this text generation server (`refuses_embeddings`).
+And the routes read `seed` 0 as no seed, so a client's seed 0 sampled differently each
+time, and a chat's `top_logprobs` 0 beside `logprobs` as no log-probabilities; both
+are carried past them (`kept`).
 
 Installed by `shims.install`; it acts in the API process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import reprlib
@@ -145,6 +149,18 @@ def check_tool_choice(body: Any, parses_tools: bool) -> None:
         )
 
 
+def kept(body: Any) -> None:
+    """`body` set so the routes read two values as the client meant them, not as none:
+    `seed` 0 (`SeedZero`), and a chat's `top_logprobs` 0 beside `logprobs`, which the
+    routes pass on as no log-probabilities at all. A count of 0 alternatives is asked
+    of the model worker as 1 (each token's log-probability comes with its best
+    alternative), since the worker reads 0 as none."""
+    if body.seed == 0:
+        body.seed = SeedZero(0)
+    if getattr(body, "top_logprobs", None) == 0 and getattr(body, "logprobs", None) is True:
+        body.top_logprobs = 1
+
+
 def refusal(error: ValueError) -> InputError:
     """`error` as an `InputError` (answered 400 with its message), the message made
     encodable: one that quotes a client's text (a model name holding a lone surrogate)
@@ -182,18 +198,32 @@ def refuses_embeddings(get_pipeline: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
+class SeedZero(int):
+    """A client's `seed` 0, true as a truth value. MAX's routes take a false seed for
+    none (`seed or randint(...)`), so seed 0 drew a new stream each time; this one
+    reaches `CheckedSamplingParams`, which makes it a plain 0 again."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
-    (`from_input_and_generation_config`) raises its range checks as `InputError`."""
+    (`from_input_and_generation_config`) raises its range checks as `InputError` and
+    keeps a seed of 0 (`SeedZero`)."""
 
-    from_input_and_generation_config = staticmethod(
-        raises_input_error(SamplingParams.from_input_and_generation_config))
+    @staticmethod
+    @raises_input_error
+    def from_input_and_generation_config(params: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(params.seed, SeedZero):
+            params = dataclasses.replace(params, seed=0)
+        return SamplingParams.from_input_and_generation_config(params, *args, **kwargs)
 
 
 def install() -> None:
-    """Wraps the routes' body parser with `check` for completions and chat bodies, their
-    `SamplingParams` with `raises_input_error`, and their `get_pipeline` with that and
-    `refuses_embeddings` (once)."""
+    """Wraps the routes' body parser with `check` and `kept` for completions and chat
+    bodies, their `SamplingParams` with `raises_input_error`, and their `get_pipeline`
+    with that and `refuses_embeddings` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
@@ -211,6 +241,7 @@ def install() -> None:
         if model_cls in (openai_routes.CreateCompletionRequest,
                          openai_routes.CreateChatCompletionRequest):
             check(body)
+            kept(body)
         if model_cls is openai_routes.CreateChatCompletionRequest:
             check_tool_choice(body, openai_routes.get_tool_parser(request.app) is not None)
         return body

@@ -114,7 +114,9 @@ async def cut_at_stops(
     """`chunks` with their text cut before the first stop string, ending at it.
 
     `decode` (token ids to text) finds the token that completes the stop in a
-    chunk of several; without it such a chunk keeps all its tokens.
+    chunk of several; without it such a chunk keeps all its tokens. A chunk whose
+    text is all held back or cut goes out with text "", not none: MAX's streaming
+    routes drop a textless chunk's log-probabilities (its ids they carry on).
     """
     seen: list[int] = []
     held: TokenGeneratorOutput | None = None  # tokens whose text MAX still buffers
@@ -132,14 +134,12 @@ async def cut_at_stops(
                 ids = chunk.token_ids or []
                 if decode is not None and chunk.token_count == len(ids) > 1:
                     chunk = up_to(chunk, tokens_to_stop(seen, ids, scanner.stops, decode))
-                yield replace(
-                    chunk, decoded_tokens=text or None, status=GenerationStatus.END_OF_SEQUENCE
-                )
+                yield replace(chunk, decoded_tokens=text, status=GenerationStatus.END_OF_SEQUENCE)
                 return
             seen += chunk.token_ids or []
             if chunk.status.is_done:
                 text += scanner.flush()
-            yield replace(chunk, decoded_tokens=text or None)
+            yield replace(chunk, decoded_tokens=text)
         if held is not None:  # the source ended without a finished chunk
             yield held
     finally:

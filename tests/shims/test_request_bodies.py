@@ -148,6 +148,35 @@ def test_the_routes_sampling_values_out_of_range_say_which():
         make(SamplingParamsInput(temperature=5.0), sampling_params_defaults=defaults)
 
 
+def test_a_seed_of_0_passes_the_routes_as_0():
+    """The routes write `seed or randint(...)`; a client's 0 must not be the random one."""
+    request_bodies.install()
+    seed = request_bodies.SeedZero(0) or 12345
+    made = openai_routes.SamplingParams.from_input_and_generation_config(
+        SamplingParamsInput(seed=seed),
+        sampling_params_defaults=SamplingParamsGenerationConfigDefaults())
+    assert made.seed == 0 and type(made.seed) is int
+
+
+@pytest.mark.parametrize("fields, seed, top_logprobs", [
+    (dict(seed=0, logprobs=True, top_logprobs=0), 0, 1),
+    (dict(seed=5, logprobs=True, top_logprobs=3), 5, 3),
+    (dict(seed=None, logprobs=False, top_logprobs=None), None, None),
+    (dict(seed=None, logprobs=None, top_logprobs=0), None, 0),  # refused by `check`
+])
+def test_kept_sets_what_the_routes_would_read_as_none(fields, seed, top_logprobs):
+    body = SimpleNamespace(**fields)
+    request_bodies.kept(body)
+    assert body.seed == seed and bool(body.seed) == (seed is not None)
+    assert body.top_logprobs == top_logprobs
+
+
+def test_kept_leaves_a_completions_body_s_logprobs():
+    body = SimpleNamespace(seed=1, logprobs=0)  # 0 is also what `false` parses to
+    request_bodies.kept(body)
+    assert body.logprobs == 0 and not hasattr(body, "top_logprobs")
+
+
 def test_a_model_the_server_does_not_serve_is_named():
     request_bodies.install()
     pipeline = SimpleNamespace(model_name="gpt2", lora_queue=None)
