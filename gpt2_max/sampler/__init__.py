@@ -14,10 +14,12 @@ sum at one uniform draw is a token drawn from the softmax.
 A room of its own (`extensions.ROOMS`): the model gets one `Extension` whose
 `sampler` hook, when the sampler runs on the CPU, puts a `PlainRowsSampler` in
 place of the text pipeline's sampler (`shims.shared_sampler` installs it):
-batches whose rows are greedy or unrestricted, some sampled, go through this
-package's graph of MAX's ops, any other batch to MAX's graph as before. Decode
-bursts sample with the same object, so a burst's tokens are the loop's. A
-min-tokens mask is written into the logits as MAX's graph writes it.
+rows that are greedy or unrestricted go through this package's graph of MAX's
+ops, and the others through MAX's graph, split by row where a batch holds both,
+so a seeded row draws the same tokens whatever requests share its batch. A batch
+with no sampled plain row goes to MAX's graph whole. Decode bursts sample with the
+same object, so a burst's tokens are the loop's. A min-tokens mask is written into
+the logits as MAX's graph writes it.
 `GPT2_MAX_SAMPLER=max` leaves MAX's sampler in place; a copy that deletes this
 folder samples with MAX's kernel alone.
 """

@@ -6,7 +6,9 @@ or min-p. Such a row's token is the largest logit, or the first token whose runn
 sum of softmax(logits / temperature) exceeds a uniform draw times the sum: MAX's
 softmax, cumulative sum, comparison and sum, a few passes over the row. The draw is
 a function of the row's seed (MAX's Philox key for the row's next token,
-`shims.internals.row_seed`), so a seeded request repeats exactly.
+`shims.internals.row_seed`), so a seeded request repeats exactly. Every other row
+goes to MAX's graph, which draws each row from its own seed too; a batch of both
+kinds is split by row, so neither kind's tokens depend on the other's presence.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
+from max.pipelines.sampling import batch_max_k
 
 PLAIN_INPUTS = (
     "logits", "prev_tokens", "top_k", "max_k", "temperature", "top_p", "min_top_p",
@@ -86,9 +89,11 @@ def is_min_tokens_mask(buffer: Buffer) -> bool:
 
 
 class PlainRowsSampler:
-    """Called as MAX calls its sampler graph (`_sample_logits`): batches of plain rows,
-    some of them sampled, go to this package's graph, any other call to `fallback`,
-    MAX's own graph."""
+    """Called as MAX calls its sampler graph (`_sample_logits`): plain rows go to this
+    package's graph and the others to `fallback`, MAX's own graph, so each row's token
+    is a function of its own logits and seed, whatever rows share its batch (each half
+    draws a row as it would alone). A batch with no sampled plain row, or a call with
+    inputs past MAX's plain ones, goes to `fallback` whole."""
 
     def __init__(self, fallback: Any, device: Device) -> None:
         self._fallback = fallback
@@ -96,28 +101,38 @@ class PlainRowsSampler:
         session = InferenceSession(devices=[device])
         self._graph = session.load(plain_rows_graph(DeviceRef.from_device(device)))
 
-    def plain(self, inputs: tuple[Buffer, ...]) -> bool:
-        """Whether the call goes to this package's graph: it has MAX's plain inputs (and
-        perhaps a min-tokens mask), every row is plain, and not every row is greedy
-        (MAX's kernel takes the largest logit as fast as this graph, and a whole greedy
-        batch faster: it draws nothing)."""
+    def plain_rows(self, inputs: tuple[Buffer, ...]) -> np.ndarray | None:
+        """Per row, whether it is plain; none for a call with other inputs than MAX's
+        plain ones and perhaps a min-tokens mask (penalties, returned logits, a
+        grammar's bitmask)."""
         if len(inputs) == len(PLAIN_INPUTS) + 1 and is_min_tokens_mask(inputs[-1]):
             inputs = inputs[:-1]
         if len(inputs) != len(PLAIN_INPUTS) or inputs[0].dtype != DType.float32:
-            return False
+            return None
         named = dict(zip(PLAIN_INPUTS, inputs, strict=True))
         top_k = named["top_k"].to_numpy()
-        vocab_size = named["logits"].shape[1]
-        unrestricted = (top_k <= 0) | (top_k >= vocab_size)
-        return bool(
-            ((top_k == 1) | unrestricted).all() and unrestricted.any()
-            and float(named["min_top_p"].to_numpy()) >= 1.0
-            and not named["min_p"].to_numpy().any()
-        )
+        unrestricted = (top_k <= 0) | (top_k >= named["logits"].shape[1])
+        return (((top_k == 1) | unrestricted) & (named["top_p"].to_numpy() >= 1.0)
+                & (named["min_p"].to_numpy() == 0.0))
+
+    def plain(self, inputs: tuple[Buffer, ...]) -> bool:
+        """Whether any row of the call goes to this package's graph: some plain row is
+        sampled (MAX's kernel takes the largest logit as fast as this graph, and a
+        batch with no sampled plain row faster: it draws nothing)."""
+        rows = self.plain_rows(inputs)
+        return rows is not None and bool((rows & (inputs[2].to_numpy() != 1)).any())
 
     def __call__(self, *inputs: Buffer) -> list[Buffer]:
         if not self.plain(inputs):
             return self._fallback(*inputs)
+        rows = self.plain_rows(inputs)
+        assert rows is not None
+        if rows.all():
+            return self._draw(*inputs)
+        return self._split(inputs, rows)
+
+    def _draw(self, *inputs: Buffer) -> list[Buffer]:
+        """This package's graph over plain rows."""
         named = dict(zip(PLAIN_INPUTS, inputs, strict=False))
         if len(inputs) > len(PLAIN_INPUTS):
             # As MAX's graph does, in the logits buffer itself (MAX reads it after).
@@ -126,3 +141,32 @@ class PlainRowsSampler:
         draws = uniform_draws(named["seed"].to_numpy())
         named["draw"] = Buffer.from_numpy(draws).to(self._device)
         return self._graph.execute(*(named[name] for name in GRAPH_INPUTS))
+
+    def _split(self, inputs: tuple[Buffer, ...], rows: np.ndarray) -> list[Buffer]:
+        """The plain `rows` through this package's graph, the others through MAX's, each
+        half called as MAX calls its graph for a batch of those rows alone, and the
+        outputs put back in row order."""
+        arrays = [buffer.to_numpy() for buffer in inputs]
+        named = dict(zip(PLAIN_INPUTS, arrays, strict=False))
+        mask = arrays[-1] if len(arrays) > len(PLAIN_INPUTS) else None
+        if mask is not None:  # the whole logits buffer, as MAX's graph leaves it
+            named["logits"][mask[:, 0], mask[:, 1]] = MIN_TOKENS_FILL
+        outputs: list[np.ndarray] | None = None
+        for sample, chosen in ((self._draw, rows), (self._fallback, ~rows)):
+            index = np.flatnonzero(chosen)
+            part = {name: value[index] for name, value in named.items() if value.ndim}
+            part["max_k"] = np.array(batch_max_k(part["top_k"]), dtype=np.int64)
+            part["min_top_p"] = np.array(part["top_p"].min(), dtype=np.float32)
+            call = [part[name] for name in PLAIN_INPUTS]
+            if mask is not None:
+                kept = mask[np.isin(mask[:, 0], index)]
+                call.append(np.stack([np.searchsorted(index, kept[:, 0]), kept[:, 1]], 1)
+                            .astype(mask.dtype).reshape(-1, 2))
+            made = [out.to_numpy() for out in sample(*(
+                Buffer.from_numpy(np.array(a, order="C")).to(self._device) for a in call))]
+            if outputs is None:
+                outputs = [np.empty((len(rows), *out.shape[1:]), out.dtype) for out in made]
+            for whole, out in zip(outputs, made, strict=True):
+                whole[index] = out
+        assert outputs is not None
+        return [Buffer.from_numpy(out).to(self._device) for out in outputs]

@@ -14,7 +14,7 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 from max.pipelines.lib import SamplingConfig
-from max.pipelines.sampling import token_sampler
+from max.pipelines.sampling import batch_max_k, token_sampler
 
 from gpt2_max.sampler import PlainRowsSampler, PlainRowsSampling
 from gpt2_max.sampler.plain_rows import uniform_draws
@@ -26,12 +26,23 @@ pytestmark = pytest.mark.tier("model")
 VOCAB = 50
 
 
-@pytest.fixture(scope="module")
-def sampler() -> PlainRowsSampler:
+def router(**config: bool) -> PlainRowsSampler:
     """The router in front of MAX's own sampler graph, as the text pipeline builds it."""
     device = CPU()
     session = InferenceSession(devices=[device])
-    return PlainRowsSampler(session.load(token_sampler(SamplingConfig(), DeviceRef.CPU())), device)
+    graph = token_sampler(SamplingConfig(**config), DeviceRef.CPU())
+    return PlainRowsSampler(session.load(graph), device)
+
+
+@pytest.fixture(scope="module")
+def sampler() -> PlainRowsSampler:
+    return router()
+
+
+@pytest.fixture(scope="module")
+def masking_sampler() -> PlainRowsSampler:
+    """With MAX's graph built for a min-tokens mask (`--enable-min-tokens`)."""
+    return router(enable_min_tokens=True)
 
 
 def inputs(logits: np.ndarray, *, top_k: int = -1, temperature: float = 1.0,
@@ -152,3 +163,54 @@ def test_a_min_tokens_mask_bans_its_tokens_as_maxs_graph_does(sampler) -> None:
     tokens = sampler(*buffers, mask)[0].to_numpy()
     assert tokens[0] == np.argsort(logits[0])[-2]
     assert buffers[0].to_numpy()[1, best[1]] == -10000.0
+
+
+ROWS = [dict(), dict(top_k=5), dict(temperature=0.7), dict(top_p=0.8),
+        dict(top_k=1, temperature=0.0), dict(min_p=0.05), dict(top_k=VOCAB)]
+"""Rows of every kind: plain (sampled, greedy, a top-k of the whole vocabulary) and
+restricted (top-k, top-p, min-p)."""
+
+
+def rows_inputs(logits: np.ndarray, rows: list[dict], seeds: np.ndarray,
+                banned: dict[int, int] | None = None) -> list[Buffer]:
+    """MAX's sampler inputs for `rows`, each with its own options, as the text pipeline
+    makes them (`batch_max_k`, the least top-p); `banned` a min-tokens mask, row to token."""
+    def each(name, default, dtype):
+        return np.array([row.get(name, default) for row in rows], dtype)
+
+    top_k, top_p = each("top_k", -1, np.int64), each("top_p", 1.0, np.float32)
+    arrays = [
+        logits.astype(np.float32), np.tile(np.arange(3, dtype=np.int64), (len(rows), 1)),
+        top_k, np.array(batch_max_k(top_k), np.int64), each("temperature", 1.0, np.float32),
+        top_p, np.array(top_p.min(), np.float32), each("min_p", 0.0, np.float32), seeds,
+    ]
+    if banned is not None:
+        arrays.append(np.array(sorted(banned.items()), np.int32).reshape(-1, 2))
+    return [Buffer.from_numpy(a) for a in arrays]
+
+
+@pytest.mark.parametrize("banned", [None, {0: 7, 1: 3, 5: 9}], ids=["", "min-tokens-mask"])
+def test_each_row_draws_as_it_would_alone_whatever_rows_share_its_batch(
+    sampler, masking_sampler, banned
+):
+    """A plain row's token came from MAX's graph when a restricted row shared its batch,
+    and from this package's otherwise: a seeded request's tokens changed with the
+    requests beside it."""
+    sampler = sampler if banned is None else masking_sampler
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 2, (len(ROWS), VOCAB))
+    seeds = rng.integers(0, 2**63, len(ROWS)).astype(np.uint64)
+    banned = banned or {}
+    alone = [
+        [out.to_numpy()[0] for out in sampler(*rows_inputs(
+            logits[i : i + 1], ROWS[i : i + 1], seeds[i : i + 1],
+            {0: banned[i]} if i in banned else ({} if banned else None)))]
+        for i in range(len(ROWS))
+    ]
+    together = rows_inputs(logits, ROWS, seeds, banned or None)
+    tokens, all_tokens, next_seeds = (out.to_numpy() for out in sampler(*together))
+    assert list(tokens) == [row[0] for row in alone]
+    assert (all_tokens == np.array([row[1] for row in alone])).all()
+    assert (next_seeds == seeds + 1).all()
+    for row, token in banned.items():
+        assert together[0].to_numpy()[row, token] == -10000.0 and tokens[row] != token
