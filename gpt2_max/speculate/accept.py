@@ -11,7 +11,9 @@ has the model's distribution, whatever the draft proposed.
 
 Every draw is a function of the row's seed key for that token (MAX's key for the
 row's next token plus its offset, `shims.internals.row_seed`) and of its use, so
-a seeded request repeats exactly.
+a seeded round repeats exactly. A position no round covers is drawn by the plain
+sampler instead, another token from the same distribution, so a seeded request
+repeats where its rounds fall the same way (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ every greedy answer (token ids, text, finish reason, token count), streamed and 
 must be identical, with a stop token or string, `min_tokens`, `max_tokens` ending
 mid-round, a page boundary, the window's end and concurrent rows; rows a draft does
 not serve (top-k, top-p, log-probabilities) answer as before. A request sampled at a
-temperature takes a draft: asked twice with one seed it answers the same. The log of
+temperature takes a draft: asked twice with one seed, alone, it answers the same (its
+rounds fall the same way; beside other requests they may not). The log of
 the server that drafts every round says drafted tokens were kept, so the rounds ran.
 The draft is the model's weights packed at load, or another GPT-2 named by path: the
 model cut to its first layer (a cache of another shape), as a checkpoint folder and
