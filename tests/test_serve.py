@@ -271,7 +271,7 @@ def test_chat_logprobs_with_top_logprobs_0_give_each_token_s(server):
     asked = {n: httpx.post(f"{server}/v1/chat/completions", json={**body, "top_logprobs": n},
                            timeout=60).json()["choices"][0]["logprobs"]["content"]
              for n in (0, 1)}
-    assert len(asked[0]) == 5
+    assert len(asked[0]) == 5 and all(len(t["top_logprobs"]) == 1 for t in asked[0])
     assert [t["logprob"] for t in asked[0]] == [t["logprob"] for t in asked[1]]
 
 

@@ -117,8 +117,8 @@ class PlainRowsSampler:
 
     def plain(self, inputs: tuple[Buffer, ...]) -> bool:
         """Whether any row of the call goes to this package's graph: some plain row is
-        sampled (MAX's kernel takes the largest logit as fast as this graph, and a
-        batch with no sampled plain row faster: it draws nothing)."""
+        sampled (MAX's kernel takes the largest logit as fast as this graph, so plain
+        rows that are all greedy gain nothing by going there)."""
         rows = self.plain_rows(inputs)
         return rows is not None and bool((rows & (inputs[2].to_numpy() != 1)).any())
 
@@ -162,8 +162,9 @@ class PlainRowsSampler:
                 kept = mask[np.isin(mask[:, 0], index)]
                 call.append(np.stack([np.searchsorted(index, kept[:, 0]), kept[:, 1]], 1)
                             .astype(mask.dtype).reshape(-1, 2))
-            made = [out.to_numpy() for out in sample(*(
-                Buffer.from_numpy(np.array(a, order="C")).to(self._device) for a in call))]
+            buffers = [Buffer.from_numpy(np.array(a, order="C")) for a in call]
+            made = [out.to_numpy() for out in sample(*(  # max_k, min_top_p: host scalars
+                b if b.rank == 0 else b.to(self._device) for b in buffers))]
             if outputs is None:
                 outputs = [np.empty((len(rows), *out.shape[1:]), out.dtype) for out in made]
             for whole, out in zip(outputs, made, strict=True):

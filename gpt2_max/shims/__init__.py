@@ -22,7 +22,8 @@ and why, so nothing else in the package imports a private MAX name:
   requiring a call that no tool parser reads, answered 400 naming the cause; so
   are a body that is not UTF-8, a sampling value out of its range and an unknown
   model name, which MAX answers "Value error.". `/v1/embeddings`, which MAX
-  sends to the text worker and answers 500, gets 404.
+  sends to the text worker and answers 500, gets 404; `seed` 0 and a chat's
+  `top_logprobs` 0, which MAX reads as none, are kept.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's

@@ -18,9 +18,10 @@ nothing, and `echo` without `logprobs` returns the completion without the prompt
 (MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). In a chat,
 audio output, web search, the older `functions`, `top_logprobs` without `logprobs`,
 and a content part that is not text (an `input_audio` or `file` part) are dropped the
-same way, and a `tool_choice` that requires a call, from a server without a tool
-parser, is answered in text (`check_tool_choice`). A client that sent them would take
-the answer for what it asked.
+same way (MAX refuses `image_url` and `video_url` parts in its own words; every part
+that is not text gets one message here), and a `tool_choice` that requires a call,
+from a server without a tool parser, is answered in text (`check_tool_choice`). A
+client that sent them would take the answer for what it asked.
 
 This module wraps the routes' body parser (`_parse_openai_request_body`, which the
 routes look up by name as they run) so such a completions or chat body is refused
@@ -64,8 +65,10 @@ UNSERVED = {
     "suffix": ("this server writes no suffix", bool),
     "modalities": ("this server answers in text", lambda value: bool(set(value or ()) - {"text"})),
     "audio": ("this server answers in text, not audio", lambda value: value is not None),
-    "functions": ("give them as tools (`tools`)", lambda value: value is not None),
-    "function_call": ("give it as `tool_choice`", lambda value: value is not None),
+    # A lazy iterator (the schema types it Iterable), which MAX never reads.
+    "functions": ("give them as tools (`tools`)",
+                  lambda value: value is not None and any(True for _ in value)),
+    "function_call": ("give it as `tool_choice`", lambda value: isinstance(value, dict)),
     "web_search_options": ("this server does not search the web",
                            lambda value: value is not None),
 }
@@ -199,9 +202,8 @@ def refuses_embeddings(get_pipeline: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class SeedZero(int):
-    """A client's `seed` 0, true as a truth value. MAX's routes take a false seed for
-    none (`seed or randint(...)`), so seed 0 drew a new stream each time; this one
-    reaches `CheckedSamplingParams`, which makes it a plain 0 again."""
+    """A client's `seed` 0, true as a truth value (why: `kept`); `CheckedSamplingParams`
+    makes it a plain 0 again."""
 
     def __bool__(self) -> bool:
         return True
@@ -210,7 +212,7 @@ class SeedZero(int):
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
     (`from_input_and_generation_config`) raises its range checks as `InputError` and
-    keeps a seed of 0 (`SeedZero`)."""
+    turns `SeedZero` back into 0."""
 
     @staticmethod
     @raises_input_error

@@ -105,6 +105,14 @@ def joined(first: TokenGeneratorOutput, then: TokenGeneratorOutput) -> TokenGene
     return replace(then, **merged)
 
 
+def sent(text: str, chunk: TokenGeneratorOutput) -> str | None:
+    """A chunk's text as the routes are to read it. MAX's streaming routes skip a
+    textless chunk, or send the last without its log-probabilities (its token ids they
+    carry on), so a chunk whose text is all held back or cut goes out as text "" where
+    it has log-probabilities, and as none (no empty event) where it has not."""
+    return text or ("" if chunk.token_log_probabilities else None)
+
+
 async def cut_at_stops(
     chunks: AsyncGenerator[TokenGeneratorOutput, None],
     scanner: StopScanner,
@@ -114,9 +122,7 @@ async def cut_at_stops(
     """`chunks` with their text cut before the first stop string, ending at it.
 
     `decode` (token ids to text) finds the token that completes the stop in a
-    chunk of several; without it such a chunk keeps all its tokens. A chunk whose
-    text is all held back or cut goes out with text "", not none: MAX's streaming
-    routes drop a textless chunk's log-probabilities (its ids they carry on).
+    chunk of several; without it such a chunk keeps all its tokens.
     """
     seen: list[int] = []
     held: TokenGeneratorOutput | None = None  # tokens whose text MAX still buffers
@@ -134,12 +140,13 @@ async def cut_at_stops(
                 ids = chunk.token_ids or []
                 if decode is not None and chunk.token_count == len(ids) > 1:
                     chunk = up_to(chunk, tokens_to_stop(seen, ids, scanner.stops, decode))
-                yield replace(chunk, decoded_tokens=text, status=GenerationStatus.END_OF_SEQUENCE)
+                yield replace(chunk, decoded_tokens=sent(text, chunk),
+                              status=GenerationStatus.END_OF_SEQUENCE)
                 return
             seen += chunk.token_ids or []
             if chunk.status.is_done:
                 text += scanner.flush()
-            yield replace(chunk, decoded_tokens=text)
+            yield replace(chunk, decoded_tokens=sent(text, chunk))
         if held is not None:  # the source ended without a finished chunk
             yield held
     finally:

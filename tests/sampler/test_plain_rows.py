@@ -1,6 +1,7 @@
 """`PlainRowsSampler`: plain rows (greedy, or a temperature with no top-k, top-p or
 min-p) drawn from softmax(logits / temperature) by this package's graph, seeded rows
-repeated, every other call handed to MAX's sampler graph unchanged.
+repeated, other rows handed to MAX's sampler graph (a call with no sampled plain row
+whole and unchanged), each row drawn as it would be alone.
 
 That served and generated sampling go through it (and bursts with it) is tested in
 `tests/bursts/test_served.py` and `tests/generate/test_generator.py`.

@@ -10,7 +10,7 @@ from max.serve.pipelines.incremental_detokenizer import create_buffered_detokeni
 from max.serve.pipelines.llm import TokenGeneratorOutput
 from transformers import AutoTokenizer
 
-from gpt2_max.shims.stop_strings import cut_at_stops
+from gpt2_max.shims.stop_strings import cut_at_stops, sent
 from gpt2_max.stop import StopScanner
 from gpt2_max.testing.reference import stopped_text
 from gpt2_max.tokenizer import TOKENIZER_DIR
@@ -142,3 +142,30 @@ def test_a_stop_completed_inside_an_unfinished_character_counts_the_same_in_ever
         got_ids, count, text = served_ids(groups, [stop])
         assert (got_ids, count) == want, size
         assert text == "Taselage \u2014 two COMMUN things".split(stop)[0], size
+
+
+def test_a_chunk_cut_to_no_text_keeps_its_log_probabilities_and_no_other_is_sent_empty():
+    """MAX's streaming routes skip a textless chunk and send the last without its
+    log-probabilities: one cut to no text goes out as "" where it has them."""
+    def chunk(log_probabilities):
+        return TokenGeneratorOutput(status=GenerationStatus.ACTIVE, decoded_tokens="ab",
+                                    token_log_probabilities=log_probabilities)
+
+    assert sent("", chunk([-1.5])) == ""
+    assert sent("", chunk(None)) is None and sent("", chunk([])) is None
+    assert sent("a", chunk(None)) == "a"
+
+    async def run(log_probabilities):
+        async def source():
+            yield TokenGeneratorOutput(status=GenerationStatus.ACTIVE, decoded_tokens="x",
+                                       token_log_probabilities=log_probabilities)
+            yield TokenGeneratorOutput(status=GenerationStatus.ACTIVE, decoded_tokens="yz",
+                                       token_log_probabilities=log_probabilities)
+        return [c async for c in cut_at_stops(source(), StopScanner(["xy"]), lambda: None)]
+
+    held, cut = asyncio.run(run([-0.5]))  # "x" held (it could begin the stop), "y" cut
+    assert (held.decoded_tokens, cut.decoded_tokens) == ("", "")
+    assert cut.token_log_probabilities == [-0.5]
+    assert cut.status == GenerationStatus.END_OF_SEQUENCE
+    held, cut = asyncio.run(run(None))
+    assert (held.decoded_tokens, cut.decoded_tokens) == (None, None)
