@@ -25,6 +25,7 @@ from max.pipelines.modeling.types.utils.serialization import (
 
 from ..arch import gpt2_arch
 from ..names import PACKAGE
+from ..shims import internals, request_bodies
 from ..shims.internals import openai_response_format, xgrammar_backend
 from ..stop import StopScanner
 from .constrained import GRAMMARS, GrammarMask, compile_constraint, llg_tokenizer
@@ -141,6 +142,10 @@ class Requests:
             raise ValueError(f"max_new_tokens must be at least 1, was {max_new_tokens}.")
         if not prompts:
             raise ValueError("no prompts given.")
+        request_bodies.check(options)  # the server's rule: int64 integers, finite numbers
+        most = 2 ** internals.log_probabilities_heap_levels() - 1
+        if not 0 <= options.logprobs <= most:
+            raise ValueError(f"logprobs must be in [0, {most}], was {options.logprobs}.")
         new_mask = self._mask_factory(options)
         contexts = self.contexts(
             prompts, max_new_tokens, options, seeds or [options.seed] * len(prompts)

@@ -164,6 +164,11 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
                               grammar_engine="xgrammar"), ValueError),
         (lambda g: g.generate("hi", json_object=True, grammar_engine="xgrammr"), ValueError),
         (lambda g: g.generate("hi", max_new_tokens=0), ValueError),
+        (lambda g: g.generate("hi", temperature=1.0, top_p=float("nan")), ValueError),
+        (lambda g: g.generate("hi", temperature=1.0, seed=2**64), ValueError),
+        (lambda g: g.generate("hi", temperature=1.0, top_k=2**63), ValueError),
+        (lambda g: g.generate("hi", logprobs=100), ValueError),
+        (lambda g: g.generate("hi", logprobs=-1), ValueError),
         (lambda g: g.branches("hi", 3, best_of=2), ValueError),
     ],
 )
