@@ -143,9 +143,7 @@ class Requests:
         if not prompts:
             raise ValueError("no prompts given.")
         request_bodies.check(options)  # the server's rule: int64 integers, finite numbers
-        most = 2 ** internals.log_probabilities_heap_levels() - 1
-        if not 0 <= options.logprobs <= most:
-            raise ValueError(f"logprobs must be in [0, {most}], was {options.logprobs}.")
+        internals.check_logprobs_count(options.logprobs, "logprobs")
         new_mask = self._mask_factory(options)
         contexts = self.contexts(
             prompts, max_new_tokens, options, seeds or [options.seed] * len(prompts)

@@ -116,17 +116,21 @@ class PlainRowsSampler:
                 & (named["min_p"].to_numpy() == 0.0))
 
     def plain(self, inputs: tuple[Buffer, ...]) -> bool:
-        """Whether any row of the call goes to this package's graph: some plain row is
-        sampled (MAX's kernel takes the largest logit as fast as this graph, so plain
-        rows that are all greedy gain nothing by going there)."""
-        rows = self.plain_rows(inputs)
-        return rows is not None and bool((rows & (inputs[2].to_numpy() != 1)).any())
+        """Whether any row of the call goes to this package's graph."""
+        return self._drawn_here(inputs, self.plain_rows(inputs))
+
+    @staticmethod
+    def _drawn_here(inputs: tuple[Buffer, ...], rows: np.ndarray | None) -> bool:
+        """Whether some plain row of `rows` is sampled (MAX's kernel takes the largest
+        logit as fast as this graph, so plain rows that are all greedy gain nothing by
+        going there)."""
+        top_k = inputs[PLAIN_INPUTS.index("top_k")]
+        return rows is not None and bool((rows & (top_k.to_numpy() != 1)).any())
 
     def __call__(self, *inputs: Buffer) -> list[Buffer]:
-        if not self.plain(inputs):
-            return self._fallback(*inputs)
         rows = self.plain_rows(inputs)
-        assert rows is not None
+        if rows is None or not self._drawn_here(inputs, rows):
+            return self._fallback(*inputs)
         if rows.all():
             return self._draw(*inputs)
         return self._split(inputs, rows)
@@ -162,7 +166,7 @@ class PlainRowsSampler:
                 kept = mask[np.isin(mask[:, 0], index)]
                 call.append(np.stack([np.searchsorted(index, kept[:, 0]), kept[:, 1]], 1)
                             .astype(mask.dtype).reshape(-1, 2))
-            buffers = [Buffer.from_numpy(np.array(a, order="C")) for a in call]
+            buffers = [Buffer.from_numpy(np.require(a, requirements="C")) for a in call]
             made = [out.to_numpy() for out in sample(*(  # max_k, min_top_p: host scalars
                 b if b.rank == 0 else b.to(self._device) for b in buffers))]
             if outputs is None:

@@ -35,6 +35,14 @@ def log_probabilities_heap_levels() -> int:
     return _LOGPROBS_HEAP_LEVELS
 
 
+def check_logprobs_count(count: int, field: str) -> None:
+    """MAX's routes' check of a log-probabilities count against what its graph reports
+    (raises `InputError`, a `ValueError`, naming `field`)."""
+    from max.serve.router.openai_routes import _validate_logprobs_count
+
+    _validate_logprobs_count(count, field)
+
+
 def free_memory(devices: list[Device]) -> int:
     """Free memory on `devices` as MAX's memory estimator sees it (the host's, on the CPU)."""
     from max.pipelines.lib.memory_estimation import MemoryEstimator

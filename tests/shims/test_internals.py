@@ -200,3 +200,12 @@ def test_the_log_probabilities_graph_is_built_at_the_mixins_heap_depth() -> None
 
     assert isinstance(internals.log_probabilities_heap_levels(), int)
     assert "levels=_LOGPROBS_HEAP_LEVELS" in inspect.getsource(LogProbabilitiesMixin.__init__)
+
+
+def test_a_log_probabilities_count_is_checked_by_the_routes_rule() -> None:
+    internals.check_logprobs_count(0, "logprobs")
+    internals.check_logprobs_count(2 ** internals.log_probabilities_heap_levels() - 1, "x")
+    with pytest.raises(ValueError, match=r"`top_logprobs` must be in \[0, 7\], was 8"):
+        internals.check_logprobs_count(8, "top_logprobs")
+    with pytest.raises(ValueError, match="was -1"):
+        internals.check_logprobs_count(-1, "logprobs")
