@@ -228,18 +228,19 @@ def hf_on_gguf_weights(model: GPT2LMHeadModel, path: Path) -> GPT2LMHeadModel:
 
 def hf_logprobs(
     model: GPT2LMHeadModel, tokens: list[int], dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str = "cpu", tf32: bool = False,
 ) -> np.ndarray:
     """transformers' log-probabilities at every position of `tokens` in one forward pass
     (row `i` is the distribution of token `i + 1`), over `sampleable(model)` ids, with
     the model cast to `dtype` on `device` (a copy, made once) and TF32 off for the
-    call, so float32 is float32. `[len(tokens), sampleable(model)]`, float64."""
+    call unless `tf32`, so float32 is float32. `[len(tokens), sampleable(model)]`,
+    float64."""
     key = (id(model), dtype, device)
     if key not in _CASTS:
         _CASTS[key] = (model, copy.deepcopy(model).to(device=device, dtype=dtype))
     cast = _CASTS[key][1]
     tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
         with torch.no_grad():
             logits = cast(torch.tensor([tokens], device=device)).logits[0, :, : sampleable(model)]

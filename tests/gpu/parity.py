@@ -43,12 +43,14 @@ def complete(api: OpenAI, prompt: list[int], max_tokens: int, **extra):
 
 
 def reference_rows(
-    reference, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32
+    reference, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32,
+    tf32: bool = False,
 ) -> np.ndarray:
     """transformers' log-probabilities of the steps that chose `tokens` after `prompt`,
-    teacher-forced on those tokens: `[len(tokens), vocab]`."""
+    teacher-forced on those tokens: `[len(tokens), vocab]` (float32 on TF32 tensor
+    cores where `tf32`)."""
     sequence = prompt + tokens
-    return hf_logprobs(reference, sequence, dtype, TORCH_DEVICE)[len(prompt) - 1 : -1]
+    return hf_logprobs(reference, sequence, dtype, TORCH_DEVICE, tf32)[len(prompt) - 1 : -1]
 
 
 def top2_margins(logprobs: np.ndarray) -> np.ndarray:

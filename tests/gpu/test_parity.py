@@ -9,13 +9,19 @@ a near-tie where the two would part. Figures go to the junit XML report
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from max.pipelines import AutoModel
+from transformers import GPT2LMHeadModel
 
-from gpt2_max.testing.reference import random_prompt
+from gpt2_max.names import PACKAGE
+from gpt2_max.testing.reference import load_reference, random_prompt, random_state_dict
+from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 
-from .parity import BFLOAT16_MARGIN, clear_steps, reference_rows
+from .parity import BFLOAT16_MARGIN, GPU_STD, IN_PROCESS, clear_steps, reference_rows
 
 pytestmark = pytest.mark.tier("gpu")
 
@@ -23,11 +29,16 @@ pytestmark = pytest.mark.tier("gpu")
 PROMPTS = [random_prompt(length, seed=8100 + i) for i, length in enumerate((5, 17, 64, 130))]
 NEW_TOKENS = 48
 
-TOLERANCES = {
-    # encoding: (top-2 margin above which tokens must agree, chosen log-prob tolerance)
-    "float32": (1e-2, 5e-3),
-    "bfloat16": (BFLOAT16_MARGIN, None),  # as close as transformers' own bfloat16 run
+PEERS = {
+    # encoding: (top-2 margin above which tokens must agree, transformers' run at its precision)
+    "float32": (1e-2, {"dtype": torch.float32, "tf32": True}),
+    "bfloat16": (BFLOAT16_MARGIN, {"dtype": torch.bfloat16}),
 }
+"""Chosen-token log-probabilities must be as close to transformers float32 (mean error) as
+transformers' own run at the encoding's precision: bfloat16, or float32 on TF32 tensor
+cores, where MAX runs float32 matmuls of more than one row with no switch to turn it off
+(`docs/max-26.7.md`); its error grows with the width a product sums over, so no one
+bound fits every shape."""
 
 
 def greedy_logprobs(model, prompts: list[list[int]]) -> list[tuple[list[int], np.ndarray]]:
@@ -43,17 +54,17 @@ def greedy_logprobs(model, prompts: list[list[int]]) -> list[tuple[list[int], np
 
 
 def compare(model, reference, encoding: str, record) -> dict[str, float]:
-    margin_floor, tolerance = TOLERANCES[encoding]
+    margin_floor, peer = PEERS[encoding]
     clear = disagree_clear = 0
-    ours, theirs_bf16, steps = [], [], 0
+    ours, theirs, steps = [], [], 0
     for prompt, (tokens, logprobs) in zip(PROMPTS, greedy_logprobs(model, PROMPTS), strict=True):
         fp32 = reference_rows(reference, prompt, tokens)
-        bf16 = reference_rows(reference, prompt, tokens, torch.bfloat16)
+        peer_rows = reference_rows(reference, prompt, tokens, **peer)
         clear_here, differing = clear_steps(fp32, tokens, margin_floor)
         clear, disagree_clear = clear + clear_here, disagree_clear + differing
         chosen = np.arange(len(tokens)), tokens
         ours += list(np.abs(logprobs[chosen] - fp32[chosen]))
-        theirs_bf16 += list(np.abs(bf16[chosen] - fp32[chosen]))
+        theirs += list(np.abs(peer_rows[chosen] - fp32[chosen]))
         steps += len(tokens)
     figures = {
         "steps": steps,
@@ -61,15 +72,14 @@ def compare(model, reference, encoding: str, record) -> dict[str, float]:
         "tokens_differing_where_clear": disagree_clear,
         "max_abs_logprob_diff": float(np.max(ours)),
         "mean_abs_logprob_diff": float(np.mean(ours)),
-        "hf_bf16_max_abs_logprob_diff": float(np.max(theirs_bf16)),
-        "hf_bf16_mean_abs_logprob_diff": float(np.mean(theirs_bf16)),
+        "peer_max_abs_logprob_diff": float(np.max(theirs)),
+        "peer_mean_abs_logprob_diff": float(np.mean(theirs)),
     }
     for name, value in figures.items():
         record(f"{encoding}_{name}", value)
     assert clear >= steps // 2, f"most steps should be clear choices: {figures}"
     assert disagree_clear == 0, figures
-    if tolerance is not None:
-        assert figures["max_abs_logprob_diff"] <= tolerance, figures
+    assert figures["mean_abs_logprob_diff"] <= figures["peer_mean_abs_logprob_diff"], figures
     return figures
 
 
@@ -78,11 +88,39 @@ def test_the_default_on_a_gpu_is_bfloat16_as_close_as_transformers_bfloat16(
 ):
     model = gpu_models(None)
     assert model.pipeline_config.model.quantization_encoding == "bfloat16"
-    figures = compare(model, gpu_reference, "bfloat16", record_property)
-    assert figures["mean_abs_logprob_diff"] <= figures["hf_bf16_mean_abs_logprob_diff"], figures
+    compare(model, gpu_reference, "bfloat16", record_property)
 
 
 def test_float32_on_a_gpu_matches_transformers_float32(gpu_models, gpu_reference, record_property):
     model = gpu_models("float32")
     assert model.pipeline_config.model.quantization_encoding == "float32"
     compare(model, gpu_reference, "float32", record_property)
+
+
+SHAPES = ("gpt2", "gpt2-xl")
+"""The served family's smallest common shape and its largest, at the tier's spread: their
+widths, depths and head counts, not only the tiny checkpoint's head size."""
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def shaped(request, tmp_path_factory) -> tuple[Path, GPT2LMHeadModel]:
+    """A random checkpoint of a family member's shape and transformers' reading of it."""
+    config = preset_config(request.param)
+    folder = save_hub_checkpoint(
+        tmp_path_factory.mktemp(request.param), config,
+        random_state_dict(config, seed=3, std=GPU_STD),
+    )
+    return folder, load_reference(folder)
+
+
+@pytest.mark.parametrize("encoding", ["bfloat16", "float32"])
+def test_family_shapes_on_a_gpu_match_transformers(shaped, encoding, record_property):
+    folder, reference = shaped
+    model = AutoModel(
+        str(folder), devices="gpu", max_batch_size=4, custom_architectures=[PACKAGE],
+        quantization_encoding=encoding, **IN_PROCESS,
+    )
+    try:
+        compare(model, reference, encoding, record_property)
+    finally:
+        model.close()
