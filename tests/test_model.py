@@ -7,11 +7,13 @@ resident beside those copies for the server's lifetime.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 
+from gpt2_max.model import GPU_BFLOAT16_WARNING, warn_if_known_wrong
 from gpt2_max.testing.reference import hf_greedy, random_prompt
 
 pytestmark = pytest.mark.tier("model")
@@ -27,3 +29,16 @@ def test_the_checkpoint_is_unmapped_and_the_model_still_exact(
     prompt = random_prompt(70, seed=4242)
     result = model.generate([prompt], max_new_tokens=16, top_k=1, ignore_eos=True)
     assert result.sequences[0][len(prompt):] == hf_greedy(hf_models("default"), prompt, 16)[0]
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize(
+    ("encoding", "on_host", "warned"),
+    [("bfloat16", False, True), ("float32", False, False), ("float32", True, False)],
+)
+def test_a_bfloat16_load_on_an_accelerator_says_it_is_known_wrong(
+    encoding, on_host, warned, caplog
+):
+    with caplog.at_level(logging.WARNING, logger="max.pipelines"):
+        warn_if_known_wrong(encoding, on_host)
+    assert (GPU_BFLOAT16_WARNING in caplog.text) == warned
