@@ -21,11 +21,11 @@ from max.pipelines import AutoModel
 from openai import OpenAI
 
 from gpt2_max.names import PACKAGE
-from gpt2_max.testing.reference import random_prompt, random_state_dict
+from gpt2_max.testing.reference import load_reference, random_prompt, random_state_dict
 from gpt2_max.testing.server import Server, max_serve
 from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 
-from .parity import complete, token_ids
+from .parity import GPU_STD, assert_clear_tokens_match, complete, token_ids
 from .served_workload import two_hundred_requests
 
 pytestmark = pytest.mark.tier("gpu")
@@ -39,7 +39,7 @@ SEQUENCE = ((16, 8, 999), (16, 128, 100), (40, 200, 101), (3, 1, 102))
 def checkpoint(tmp_path_factory) -> Path:
     config = preset_config("gpt2")
     folder = tmp_path_factory.mktemp("gpt2-small")
-    return save_hub_checkpoint(folder, config, random_state_dict(config))
+    return save_hub_checkpoint(folder, config, random_state_dict(config, std=GPU_STD))
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,17 @@ def api(server) -> OpenAI:
         yield client
 
 
-def test_every_request_after_the_first_is_answered(api):
+def test_every_request_after_the_first_is_answered_with_transformers_clear_tokens(
+    api, checkpoint
+):
+    """The crash's sequence, and what the tier's other servers do not check: this
+    server's graph (last-position logits only) picks transformers' clear tokens."""
+    reference = load_reference(checkpoint)
     for length, max_tokens, seed in SEQUENCE:
-        choice = complete(api, random_prompt(length, seed=seed), max_tokens)
-        assert len(token_ids(choice)) == max_tokens
+        prompt = random_prompt(length, seed=seed)
+        tokens = token_ids(complete(api, prompt, max_tokens))
+        assert len(tokens) == max_tokens
+        assert_clear_tokens_match(reference, prompt, tokens)
 
 
 def test_a_batch_of_concurrent_requests_is_answered(api):
