@@ -75,16 +75,19 @@ def worker(checkpoint: str, out: str, encoding: str, echo: bool) -> None:
         return [list(s[len(p):]) for p, s in zip(batch, result.sequences, strict=True)]
 
     ps = prompts()
-    runs = {"batch": greedy(ps), "again": greedy(ps), "alone": [greedy([p])[0] for p in ps]}
     reference = GPT2LMHeadModel.from_pretrained(checkpoint).to(device).eval()
     report = {"encoding": str(model.pipeline_config.model.quantization_encoding),
               "load_s": round(loaded, 1), "runs": {}}
-    for name, rows in runs.items():
+    runs = {}
+    for name, run in (("batch", lambda: greedy(ps)), ("again", lambda: greedy(ps)),
+                      ("alone", lambda: [greedy([p])[0] for p in ps])):
+        runs[name] = run()
         report["runs"][name] = [
             dict(zip(("clear", "differing_steps"),
                      clear_and_differing(reference, device, p, t), strict=True))
-            for p, t in zip(ps, rows, strict=True)
+            for p, t in zip(ps, runs[name], strict=True)
         ]
+        Path(out).write_text(json.dumps(report))  # each run as it ends: a cut call keeps it
     report["batch_equals_again"] = runs["batch"] == runs["again"]
     report["batch_equals_alone"] = [
         a == b for a, b in zip(runs["batch"], runs["alone"], strict=True)
@@ -117,14 +120,18 @@ def main() -> None:
 
         config = preset_config(os.environ.get("BISECT_PRESET", "gpt2"))
         save_hub_checkpoint(checkpoint, config, random_state_dict(config, seed=3, std=0.05))
-    site = [p for p in os.environ.get("PYTHONPATH", "").split(":") if p and "site" in p]
+    # Each worker finds `gpt2_max` in its tree first, and MAX where this process does;
+    # never this checkout's package (unless the tree is this checkout).
+    checkout = Path(__file__).resolve().parents[1]
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(":")
+            if p and Path(p).resolve() != checkout]
     running = {}
     for variant in variants:
         name, tree, env, encoding, echo = parse(variant)
         result = out / f"{name}.json"
         command = [sys.executable, __file__, "--worker", str(checkpoint), str(result),
                    encoding, "1" if echo else "0"]
-        child_env = {**os.environ, **env, "PYTHONPATH": ":".join([*site, str(tree)])}
+        child_env = {**os.environ, **env, "PYTHONPATH": ":".join([str(tree), *rest])}
         log = open(out / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         running[name] = (subprocess.Popen(command, env=child_env, stdout=log,
                                           stderr=subprocess.STDOUT), log, result)

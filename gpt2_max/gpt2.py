@@ -38,9 +38,10 @@ def last_rows(input_row_offsets: Tensor, return_n_logits: Tensor, drafts: bool) 
     (`gpt2_max.speculate`), from the one graph, where the graph checks `drafts`.
 
     Elsewhere (off the CPU, where no draft runs) the rows are MAX's own transformer's
-    last rows, `input_row_offsets[1:] - 1`: the form of the last commit whose
-    bfloat16 tokens matched transformers on an H200. The range form is suspected of the
-    wrong bfloat16 tokens a later H200 run found, not yet shown
+    last rows, `input_row_offsets[1:] - 1`, the form 9828764 ran on an H200, where
+    bfloat16 chose another token than transformers at 1 of 142 clear steps (the head
+    GEMM's spill, padded since). The range form is suspected of the wrong bfloat16
+    tokens a later H200 run found, not yet shown
     (`benchmarks/results/2026-11-29-gpu-h200-third-run.md`)."""
     if not drafts:
         return input_row_offsets[1:] - 1

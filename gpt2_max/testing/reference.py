@@ -239,13 +239,13 @@ def hf_logprobs(
     if key not in _CASTS:
         _CASTS[key] = (model, copy.deepcopy(model).to(device=device, dtype=dtype))
     cast = _CASTS[key][1]
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
         with torch.no_grad():
             logits = cast(torch.tensor([tokens], device=device)).logits[0, :, : sampleable(model)]
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = before
     return torch.log_softmax(logits.double(), dim=-1).cpu().numpy()
 
 
