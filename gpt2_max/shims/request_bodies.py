@@ -15,7 +15,9 @@ range checks of `top_p` and `min_p` let through to the sampler.
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
 nothing, and `echo` without `logprobs` returns the completion without the prompt
-(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`). In a chat,
+(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`); so are
+penalties and `min_tokens` on a server started without `--enable-penalties` or
+`--enable-min-tokens` (`check_settings`). In a chat,
 audio output, web search, the older `functions`, `top_logprobs` without `logprobs`,
 and a content part that is not text (an `input_audio` or `file` part) are dropped the
 same way (MAX refuses `image_url` and `video_url` parts in its own words; every part
@@ -133,6 +135,27 @@ def check(body: Any) -> None:
             )
 
 
+NEUTRAL_PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+"""Each penalty's value that leaves the logits as they are."""
+
+
+def check_settings(body: Any, sampling: Any) -> None:
+    """Raises `InputError` for a completions or chat body that sets a penalty or
+    `min_tokens` on a server started without `--enable-penalties` or
+    `--enable-min-tokens` (`sampling`, the pipeline's `SamplingConfig`): MAX's model
+    worker then samples as if they were not set, with a warning in the server's log
+    that the client never sees (`max/pipelines/sampling/sampling_logits_processor.py`)."""
+    if not sampling.enable_penalties:
+        for name, neutral in NEUTRAL_PENALTIES.items():
+            value = getattr(body, name, None)
+            if value is not None and value != neutral:
+                raise InputError(f"{name}={value} is not served: this server was started "
+                                 "without --enable-penalties, and would sample without it.")
+    if not sampling.enable_min_tokens and (getattr(body, "min_tokens", None) or 0) > 0:
+        raise InputError(f"min_tokens={body.min_tokens} is not served: this server was "
+                         "started without --enable-min-tokens, and would stop without it.")
+
+
 def check_tool_choice(body: Any, parses_tools: bool) -> None:
     """Raises `InputError` for a chat body that requires a tool call (`tool_choice`
     "required", a named function or custom tool, or allowed tools in "required" mode)
@@ -223,9 +246,9 @@ class CheckedSamplingParams(SamplingParams):
 
 
 def install() -> None:
-    """Wraps the routes' body parser with `check` and `kept` for completions and chat
-    bodies, their `SamplingParams` with `raises_input_error`, and their `get_pipeline`
-    with that and `refuses_embeddings` (once)."""
+    """Wraps the routes' body parser with `check`, `check_settings` and `kept` for
+    completions and chat bodies, their `SamplingParams` with `raises_input_error`, and
+    their `get_pipeline` with that and `refuses_embeddings` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
@@ -243,6 +266,8 @@ def install() -> None:
         if model_cls in (openai_routes.CreateCompletionRequest,
                          openai_routes.CreateChatCompletionRequest):
             check(body)
+            if (config := getattr(request.app.state, "pipeline_config", None)) is not None:
+                check_settings(body, config.sampling)
             kept(body)
         if model_cls is openai_routes.CreateChatCompletionRequest:
             check_tool_choice(body, openai_routes.get_tool_parser(request.app) is not None)

@@ -75,6 +75,33 @@ def test_other_bodies_pass(prompt, stream, fields):
     request_bodies.check(body(prompt, stream, **fields))
 
 
+def sampling(penalties=False, min_tokens=False):
+    return SimpleNamespace(enable_penalties=penalties, enable_min_tokens=min_tokens)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(presence_penalty=1.5), "presence_penalty=1.5 is not served: .* --enable-penalties"),
+        (dict(frequency_penalty=-0.5), "frequency_penalty=-0.5 is not served"),
+        (dict(repetition_penalty=1.2), "repetition_penalty=1.2 is not served"),
+        (dict(min_tokens=3), "min_tokens=3 is not served: .* --enable-min-tokens"),
+    ],
+)
+def test_what_the_server_was_not_started_for_is_refused_naming_the_flag(fields, message):
+    with pytest.raises(InputError, match=message):
+        request_bodies.check_settings(body(**fields), sampling())
+    request_bodies.check_settings(body(**fields), sampling(penalties=True, min_tokens=True))
+
+
+def test_neutral_penalties_and_no_min_tokens_pass_any_server():
+    neutral = body(presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0,
+                   min_tokens=0)
+    request_bodies.check_settings(neutral, sampling())
+    request_bodies.check_settings(body(presence_penalty=None, min_tokens=None), sampling())
+    request_bodies.check_settings(SimpleNamespace(messages=[]), sampling())
+
+
 def test_a_chat_body_without_a_prompt_is_checked_by_its_fields():
     request_bodies.check(SimpleNamespace(messages=[], n=1, stream=False))
     with pytest.raises(InputError, match="n=3"):
