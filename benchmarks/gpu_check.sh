@@ -9,7 +9,8 @@
 # share is the last BENCH_SECONDS (default 240).
 #
 # The tier compiles two small graphs (bfloat16 and float32), each for minutes, so its
-# float32 test runs in a pytest of its own beside the rest; meanwhile a throwaway run
+# float32 test runs in a pytest of its own beside the rest, as do the parity tests at
+# the gpt2 and gpt2-xl shapes (four more graphs); meanwhile a throwaway run
 # of the benchmark fills MAX's cache with the benchmark's graph, so the timed run that
 # follows (with nothing else running) starts warm.
 set -uo pipefail
@@ -56,10 +57,12 @@ tier() {  # tier NAME PYTEST_ARGS...: the tier's tests named, interrupted at the
     --junitxml="$out/$name.xml" -o junit_logging=all >"$out/$name.log" 2>&1
   echo "$name: rc=$? in $((SECONDS - start)) s" | tee -a "$out/$name.log"
 }
-tier gpu-tier-float32 tests/gpu/test_parity.py -k float32 &
+tier gpu-tier-float32 tests/gpu/test_parity.py -k "float32 and not family" &
 float32=$!
-tier gpu-tier tests/gpu -k "not float32"
-wait "$float32"
+tier gpu-tier-family tests/gpu/test_parity.py -k family &  # the gpt2 and xl shapes
+family=$!
+tier gpu-tier tests/gpu -k "not float32 and not family"
+wait "$float32" "$family"
 for log in /tmp/pytest-of-*/pytest-*/gpu-serve*/server.log; do  # each tier server's log
   [ -f "$log" ] && cp "$log" "$out/$(basename "$(dirname "$log")").log"
 done
