@@ -42,7 +42,9 @@ def prompts() -> list[list[int]]:
 
 def clear_and_differing(reference, device: str, prompt: list[int], tokens: list[int]):
     """transformers float32's clear steps after `prompt` along `tokens`, and where
-    `tokens` holds another token at one of them (step indices)."""
+    `tokens` holds another token at one of them (step indices). Written out here, as
+    `prompts` is, rather than taken from `gpt2_max.testing`: a worker's `gpt2_max` is
+    the tree under test, an older copy of the package."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -102,9 +102,11 @@ class PlainRowsSampler:
         self._graph = session.load(plain_rows_graph(DeviceRef.from_device(device)))
 
     def plain_rows(self, inputs: tuple[Buffer, ...]) -> np.ndarray | None:
-        """Per row, whether it is plain; none for a call with other inputs than MAX's
-        plain ones and perhaps a min-tokens mask (penalties, returned logits, a
-        grammar's bitmask)."""
+        """Per row, whether this package's graph draws it; none where MAX's graph takes
+        the whole call: one with other inputs than MAX's plain ones and perhaps a
+        min-tokens mask (penalties, returned logits, a grammar's bitmask), or with no
+        sampled plain row (MAX's kernel takes the largest logit as fast as this graph,
+        so plain rows that are all greedy gain nothing by going there)."""
         if len(inputs) == len(PLAIN_INPUTS) + 1 and is_min_tokens_mask(inputs[-1]):
             inputs = inputs[:-1]
         if len(inputs) != len(PLAIN_INPUTS) or inputs[0].dtype != DType.float32:
@@ -112,24 +114,13 @@ class PlainRowsSampler:
         named = dict(zip(PLAIN_INPUTS, inputs, strict=True))
         top_k = named["top_k"].to_numpy()
         unrestricted = (top_k <= 0) | (top_k >= named["logits"].shape[1])
-        return (((top_k == 1) | unrestricted) & (named["top_p"].to_numpy() >= 1.0)
+        rows = (((top_k == 1) | unrestricted) & (named["top_p"].to_numpy() >= 1.0)
                 & (named["min_p"].to_numpy() == 0.0))
-
-    def plain(self, inputs: tuple[Buffer, ...]) -> bool:
-        """Whether any row of the call goes to this package's graph."""
-        return self._drawn_here(inputs, self.plain_rows(inputs))
-
-    @staticmethod
-    def _drawn_here(inputs: tuple[Buffer, ...], rows: np.ndarray | None) -> bool:
-        """Whether some plain row of `rows` is sampled (MAX's kernel takes the largest
-        logit as fast as this graph, so plain rows that are all greedy gain nothing by
-        going there)."""
-        top_k = inputs[PLAIN_INPUTS.index("top_k")]
-        return rows is not None and bool((rows & (top_k.to_numpy() != 1)).any())
+        return rows if (rows & (top_k != 1)).any() else None
 
     def __call__(self, *inputs: Buffer) -> list[Buffer]:
         rows = self.plain_rows(inputs)
-        if rows is None or not self._drawn_here(inputs, rows):
+        if rows is None:
             return self._fallback(*inputs)
         if rows.all():
             return self._draw(*inputs)

@@ -130,13 +130,14 @@ def test_rows_that_need_a_sort_go_to_maxs_sampler(sampler, options) -> None:
     assert router(*buffers) == ["MAX's"]
     assert len(calls) == 1 and calls[0] == tuple(buffers)
     assert router(*buffers, Buffer.from_numpy(np.zeros(2, np.float32))) == ["MAX's"]
-    assert not router.plain(tuple(inputs(np.zeros((2, VOCAB)))) + (buffers[0],))
+    assert router.plain_rows(tuple(inputs(np.zeros((2, VOCAB)))) + (buffers[0],)) is None
 
 
 def test_a_batch_of_greedy_rows_goes_to_maxs_sampler(sampler) -> None:
     """MAX's kernel picks the largest logits faster than the package's graph draws."""
-    assert not sampler.plain(tuple(inputs(np.zeros((3, VOCAB)), top_k=1, temperature=0.0)))
-    assert sampler.plain(tuple(inputs(np.zeros((3, VOCAB)))))
+    greedy = tuple(inputs(np.zeros((3, VOCAB)), top_k=1, temperature=0.0))
+    assert sampler.plain_rows(greedy) is None
+    assert sampler.plain_rows(tuple(inputs(np.zeros((3, VOCAB))))).all()
 
 
 @pytest.mark.parametrize(("value", "replaced"), [("package", True), ("max", False)])
@@ -160,7 +161,7 @@ def test_a_min_tokens_mask_bans_its_tokens_as_maxs_graph_does(sampler) -> None:
     buffers = inputs(logits)
     buffers[2] = Buffer.from_numpy(np.array([1, -1], np.int64))  # row 0 greedy
     mask = Buffer.from_numpy(np.array([[0, best[0]], [1, best[1]]], np.int32))
-    assert sampler.plain((*buffers, mask))
+    assert sampler.plain_rows((*buffers, mask)).all()
     tokens = sampler(*buffers, mask)[0].to_numpy()
     assert tokens[0] == np.argsort(logits[0])[-2]
     assert buffers[0].to_numpy()[1, best[1]] == -10000.0
