@@ -78,10 +78,9 @@ def announce_compile(encoding: object, on_host: bool = True) -> None:
 
 GPU_BFLOAT16_WARNING = (
     f"{PACKAGE}: in the last GPU run (an H200), bfloat16 chose other next tokens than "
-    "transformers where the choice was clear, and one request sent twice could differ; "
-    "this version changes the suspected cause (the rows the next tokens are read from) "
-    "but has not run on a GPU. float32 matched transformers there: pass "
-    "--quantization-encoding float32 to be sure (docs/max-26.7.md, issue 46)"
+    "transformers where the choice was clear, and one request sent twice could differ, "
+    "while float32 matched transformers: pass --quantization-encoding float32 on a GPU "
+    "until this is fixed (docs/max-26.7.md, issue 46)"
 )
 """Said at every bfloat16 load on an accelerator until a GPU run shows the package's
 bfloat16 graph right there (`benchmarks/results/2026-11-29-gpu-h200-third-run.md`)."""
