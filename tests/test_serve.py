@@ -288,6 +288,24 @@ def test_same_seed_samples_the_same_tokens(server):
     assert sample() == sample()
 
 
+def test_min_p_keeps_only_the_tokens_it_allows(server):
+    """MAX 26.7's CPU sampling kernel drew as if min_p were 0 (`shims.min_p`): at 1 only
+    the largest logit is left, so a seeded draw at temperature 1 is the greedy answer,
+    with and without a top-k, where without min_p it is not."""
+    def answer(**options) -> list[int]:
+        response = client(server).completions.create(
+            model=MODEL_NAME, prompt=random_prompt(6, seed=4), max_tokens=8,
+            temperature=options.pop("temperature", 1.0), seed=5,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **options},
+        )
+        return token_ids(response.choices[0])
+
+    greedy = answer(temperature=0.0)
+    assert answer() != greedy
+    assert answer(min_p=1.0) == greedy
+    assert answer(min_p=1.0, top_k=20) == greedy
+
+
 def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
     prompt = random_prompt(N_POSITIONS - 10, seed=5)
     response = client(server).completions.create(

@@ -65,6 +65,7 @@ class Options:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int = 0
     stop: str | Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
@@ -235,6 +236,7 @@ class Requests:
                         temperature=options.temperature,
                         top_k=options.top_k,
                         top_p=options.top_p,
+                        min_p=options.min_p,
                         seed=seed,
                         ignore_eos=options.ignore_eos,
                         stop_token_ids=list(options.stop_token_ids) or None,

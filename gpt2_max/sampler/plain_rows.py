@@ -1,14 +1,17 @@
 """The sampler of greedy and unrestricted rows, and the router in front of MAX's.
 
 A row is *plain* when it asks for nothing that needs the vocabulary sorted: greedy
-(top-k 1, which MAX makes of temperature 0), or a temperature with no top-k, top-p
-or min-p. Such a row's token is the largest logit, or the first token whose running
-sum of softmax(logits / temperature) exceeds a uniform draw times the sum: MAX's
-softmax, cumulative sum, comparison and sum, a few passes over the row. The draw is
-a function of the row's seed (MAX's Philox key for the row's next token,
-`shims.internals.row_seed`), so a seeded request repeats exactly. Every other row
-goes to MAX's graph, which draws each row from its own seed too; a batch of both
-kinds is split by row, so neither kind's tokens depend on the other's presence.
+(top-k 1, which MAX makes of temperature 0, whatever top-p or min-p it also names, as
+the largest logit passes both), or a temperature with no top-k, top-p or min-p. Such
+a row's token is the largest logit, or the first token whose running sum of
+softmax(logits / temperature) exceeds a uniform draw times the sum: MAX's softmax,
+cumulative sum, comparison and sum, a few passes over the row. The draw is a
+function of the row's seed (MAX's Philox key for the row's next token,
+`shims.internals.row_seed`), so a seeded request repeats exactly. A call of greedy
+rows alone takes the largest logits in a graph of their own, which skips MAX's
+sampler graph and the `min_p` cut `shims.min_p` adds to it. Every other row goes to
+MAX's graph, which draws each row from its own seed too; a batch of both kinds is
+split by row, so neither kind's tokens depend on the other's presence.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ min-tokens mask (`scatter_set_constant`), as this sampler does too."""
 GRAPH_INPUTS = ("logits", "prev_tokens", "top_k", "temperature", "draw", "seed")
 """The inputs of this package's graph: MAX's, less what plain rows leave unused, plus
 each row's uniform draw."""
+
+GREEDY_INPUTS = ("logits", "prev_tokens", "seed")
+"""The inputs of the graph of greedy rows alone."""
 
 
 def uniform_draws(seeds: np.ndarray) -> np.ndarray:
@@ -82,6 +88,21 @@ def plain_rows_graph(device: DeviceRef) -> Graph:
     return graph
 
 
+def greedy_rows_graph(device: DeviceRef) -> Graph:
+    """Tokens, every token so far and the next seeds, as MAX's sampler graph returns
+    them, for a batch of greedy rows: each row's largest logit."""
+    types = [
+        TensorType(DType.float32, ["batch", "vocab_size"], device),
+        TensorType(DType.int64, ["batch", "num_prev_steps"], device),
+        TensorType(DType.uint64, ["batch"], device),
+    ]
+    with Graph("gpt2_max_greedy_rows_sampler", input_types=types) as graph:
+        logits, prev_tokens, seed = (v.tensor for v in graph.inputs)
+        tokens = ops.squeeze(ops.argmax(logits, axis=-1), -1)
+        graph.output(tokens, ops.concat([prev_tokens, ops.unsqueeze(tokens, -1)], -1), seed + 1)
+    return graph
+
+
 def is_min_tokens_mask(buffer: Buffer) -> bool:
     """Whether `buffer` is MAX's min-tokens mask: int32 (row, token) pairs (the graph's
     other optional inputs, returned logits and penalties, are neither)."""
@@ -93,20 +114,22 @@ class PlainRowsSampler:
     package's graph and the others to `fallback`, MAX's own graph, so each row's token
     is a function of its own logits and seed, whatever rows share its batch (each half
     draws a row as it would alone). A batch with no sampled plain row, or a call with
-    inputs past MAX's plain ones, goes to `fallback` whole."""
+    inputs past MAX's plain ones, goes to `fallback` whole, and a call of greedy rows
+    alone to this package's graph of them."""
 
     def __init__(self, fallback: Any, device: Device) -> None:
         self._fallback = fallback
         self._device = device
         session = InferenceSession(devices=[device])
         self._graph = session.load(plain_rows_graph(DeviceRef.from_device(device)))
+        self._greedy = session.load(greedy_rows_graph(DeviceRef.from_device(device)))
 
     def plain_rows(self, inputs: tuple[Buffer, ...]) -> np.ndarray | None:
         """Per row, whether this package's graph draws it; none where MAX's graph takes
         the whole call: one with other inputs than MAX's plain ones and perhaps a
-        min-tokens mask (penalties, returned logits, a grammar's bitmask), or with no
-        sampled plain row (MAX's kernel takes the largest logit as fast as this graph,
-        so plain rows that are all greedy gain nothing by going there)."""
+        min-tokens mask (penalties, returned logits, a grammar's bitmask), or whose
+        plain rows are all greedy beside rows that are not (MAX's kernel takes their
+        largest logits as fast as a split would)."""
         if len(inputs) == len(PLAIN_INPUTS) + 1 and is_min_tokens_mask(inputs[-1]):
             inputs = inputs[:-1]
         if len(inputs) != len(PLAIN_INPUTS) or inputs[0].dtype != DType.float32:
@@ -114,9 +137,9 @@ class PlainRowsSampler:
         named = dict(zip(PLAIN_INPUTS, inputs, strict=True))
         top_k = named["top_k"].to_numpy()
         unrestricted = (top_k <= 0) | (top_k >= named["logits"].shape[1])
-        rows = (((top_k == 1) | unrestricted) & (named["top_p"].to_numpy() >= 1.0)
-                & (named["min_p"].to_numpy() == 0.0))
-        return rows if (rows & (top_k != 1)).any() else None
+        rows = (top_k == 1) | (unrestricted & (named["top_p"].to_numpy() >= 1.0)
+                               & (named["min_p"].to_numpy() == 0.0))
+        return rows if rows.all() or (rows & (top_k != 1)).any() else None
 
     def __call__(self, *inputs: Buffer) -> list[Buffer]:
         rows = self.plain_rows(inputs)
@@ -127,12 +150,14 @@ class PlainRowsSampler:
         return self._split(inputs, rows)
 
     def _draw(self, *inputs: Buffer) -> list[Buffer]:
-        """This package's graph over plain rows."""
+        """This package's graph over plain rows (its greedy graph where all are greedy)."""
         named = dict(zip(PLAIN_INPUTS, inputs, strict=False))
         if len(inputs) > len(PLAIN_INPUTS):
             # As MAX's graph does, in the logits buffer itself (MAX reads it after).
             rows, tokens = inputs[-1].to_numpy().T
             named["logits"].to_numpy()[rows, tokens] = MIN_TOKENS_FILL
+        if (named["top_k"].to_numpy() == 1).all():
+            return self._greedy.execute(*(named[name] for name in GREEDY_INPUTS))
         draws = uniform_draws(named["seed"].to_numpy())
         named["draw"] = Buffer.from_numpy(draws).to(self._device)
         return self._graph.execute(*(named[name] for name in GRAPH_INPUTS))

@@ -24,6 +24,8 @@ and why, so nothing else in the package imports a private MAX name:
   model name, which MAX answers "Value error.". `/v1/embeddings`, which MAX
   sends to the text worker and answers 500, gets 404; `seed` 0 and a chat's
   `top_logprobs` 0, which MAX reads as none, are kept.
+- `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
+  takes it and draws as if it were 0, applied in MAX's sampler graph before it.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
@@ -68,6 +70,7 @@ from pathlib import Path
 
 from ..names import PACKAGE
 from . import (
+    min_p,
     release,
     request_bodies,
     shared_sampler,
@@ -85,6 +88,7 @@ CARRIED = (
     "400 naming the cause for an empty completions prompt, a dropped field, an integer "
     "past int64, a number not finite, a tool call no parser reads, a sampling value out "
     "of range or an unknown model",
+    "min_p on the CPU",
     "named damaged weight files",
     "decode bursts",
     "the CPU's sampler of plain rows",
@@ -114,6 +118,7 @@ def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], Non
         _warn_unchecked(release.max_version())
         return False
     request_bodies.install()
+    min_p.install()
     weight_files.install(tokenizer_type, check_weight_files)
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)

@@ -165,6 +165,7 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
         (lambda g: g.generate("hi", json_object=True, grammar_engine="xgrammr"), ValueError),
         (lambda g: g.generate("hi", max_new_tokens=0), ValueError),
         (lambda g: g.generate("hi", temperature=1.0, top_p=float("nan")), ValueError),
+        (lambda g: g.generate("hi", temperature=1.0, min_p=1.5), ValueError),
         (lambda g: g.generate("hi", temperature=1.0, seed=2**64), ValueError),
         (lambda g: g.generate("hi", temperature=1.0, top_k=2**63), ValueError),
         (lambda g: g.generate("hi", logprobs=100), ValueError),

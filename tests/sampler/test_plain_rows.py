@@ -133,11 +133,21 @@ def test_rows_that_need_a_sort_go_to_maxs_sampler(sampler, options) -> None:
     assert router.plain_rows(tuple(inputs(np.zeros((2, VOCAB)))) + (buffers[0],)) is None
 
 
-def test_a_batch_of_greedy_rows_goes_to_maxs_sampler(sampler) -> None:
-    """MAX's kernel picks the largest logits faster than the package's graph draws."""
-    greedy = tuple(inputs(np.zeros((3, VOCAB)), top_k=1, temperature=0.0))
-    assert sampler.plain_rows(greedy) is None
-    assert sampler.plain_rows(tuple(inputs(np.zeros((3, VOCAB))))).all()
+def test_a_batch_of_greedy_rows_takes_the_largest_logits_as_maxs_graph_does(sampler) -> None:
+    """Greedy rows alone go to the package's greedy graph, whatever top-p or min-p they
+    name (the largest logit passes both), with MAX's outputs; greedy rows beside rows
+    that need a sort go to MAX's graph with them."""
+    logits = np.random.default_rng(4).normal(0, 2, (3, VOCAB))
+    greedy = inputs(logits, top_k=1, temperature=0.0, top_p=0.5, min_p=0.5)
+    assert sampler.plain_rows(tuple(greedy)).all()
+    ours = [b.to_numpy() for b in sampler(*greedy)]
+    maxs = [b.to_numpy() for b in sampler._fallback(*greedy)]
+    assert (ours[0] == logits.argmax(axis=1)).all()
+    for mine, theirs in zip(ours, maxs, strict=True):
+        assert (mine.reshape(theirs.shape) == theirs).all()
+    top_k = Buffer.from_numpy(np.array([1, 1, 20], np.int64))
+    beside = (*greedy[:2], top_k, *greedy[3:])
+    assert sampler.plain_rows(beside) is None
 
 
 @pytest.mark.parametrize(("value", "replaced"), [("package", True), ("max", False)])

@@ -39,6 +39,7 @@ PROBE = """
 import gpt2_max.arch  # registers the architecture, as --custom-architectures does
 from max.pipelines.lib import PipelineConfig
 from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
+from max.pipelines.sampling import sampling
 from max.serve.pipelines.llm import TokenGeneratorPipeline
 from max.serve.router import openai_routes
 from max.serve.scheduler.text_generation_scheduler import TokenGenerationScheduler
@@ -57,6 +58,7 @@ patched = {
         PipelineConfig._model_with_resolved_weights, "checks_weight_files", False),
     "sampler": getattr(TextGenerationPipeline.__init__, "shares_sampler", False),
     "queue": getattr(TokenGenerationScheduler.__init__, "watches_requests", False),
+    "min_p": getattr(sampling.topk_fused_sampling, "keeps_min_p", False),
 }
 print("patched", sorted(name for name, on in patched.items() if on))
 print("fast-forward", fast_forward.enabled())
@@ -74,8 +76,8 @@ def probe(**env: str) -> subprocess.CompletedProcess[str]:
 def test_on_the_checked_release_every_shim_is_installed():
     out = probe()
     assert "installed again True" in out.stdout
-    assert "patched ['queue', 'request bodies', 'sampler', 'stop strings', 'structured output', " \
-        "'weight files']" in out.stdout
+    assert "patched ['min_p', 'queue', 'request bodies', 'sampler', 'stop strings', " \
+        "'structured output', 'weight files']" in out.stdout
     assert "fast-forward True" in out.stdout
     assert WARNING not in out.stderr
 
