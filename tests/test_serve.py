@@ -264,15 +264,30 @@ def test_stop_strings_keep_one_log_probability_a_token_streamed_or_not(server, c
         assert "".join(c["text"] for c in chunks) == choice["text"]
 
 
-def test_chat_logprobs_with_top_logprobs_0_give_each_token_s(server):
-    """MAX 26.7's route passed `top_logprobs` 0 on as no log-probabilities at all."""
+def test_chat_logprobs_come_with_the_alternatives_asked_for(server):
+    """MAX 26.7's route passed `top_logprobs` 0 on as no log-probabilities at all, and
+    answers `logprobs` alone with one alternative a token; OpenAI's and vLLM's answers
+    have each token's log-probability and none, streamed or not."""
     body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                 logprobs=True, temperature=0, **GREEDY["extra_body"])
-    asked = {n: httpx.post(f"{server}/v1/chat/completions", json={**body, "top_logprobs": n},
-                           timeout=60).json()["choices"][0]["logprobs"]["content"]
-             for n in (0, 1)}
-    assert len(asked[0]) == 5 and all(len(t["top_logprobs"]) == 1 for t in asked[0])
-    assert [t["logprob"] for t in asked[0]] == [t["logprob"] for t in asked[1]]
+
+    def tokens(stream: bool, **asked) -> list[dict]:
+        answer = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                            json={**body, **asked, "stream": stream})
+        if not stream:
+            return answer.json()["choices"][0]["logprobs"]["content"]
+        chunks = [json.loads(line[6:])["choices"] for line in answer.text.splitlines()
+                  if line.startswith("data: {")]
+        return [t for c in chunks if c and c[0].get("logprobs")
+                for t in c[0]["logprobs"]["content"]]
+
+    for stream in (False, True):
+        asked = {n: tokens(stream, top_logprobs=n) for n in (0, 1, 3)}
+        asked[None] = tokens(stream)
+        for n, got in asked.items():
+            assert len(got) == 5 and all(len(t["top_logprobs"]) == (n or 0) for t in got)
+            assert [t["logprob"] for t in got] == [t["logprob"] for t in asked[3]]
+        assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in asked[1])
 
 
 def test_same_seed_samples_the_same_tokens(server):

@@ -23,7 +23,8 @@ and why, so nothing else in the package imports a private MAX name:
   are a body that is not UTF-8, a sampling value out of its range and an unknown
   model name, which MAX answers "Value error.". `/v1/embeddings`, which MAX
   sends to the text worker and answers 500, gets 404; `seed` 0 and a chat's
-  `top_logprobs` 0, which MAX reads as none, are kept.
+  `top_logprobs` 0, which MAX reads as none, are kept, and a chat's alternatives
+  are as many as it asked for.
 - `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
   takes it and draws as if it were 0, applied in MAX's sampler graph before it.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its

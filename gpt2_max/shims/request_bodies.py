@@ -40,7 +40,10 @@ same check as `InputError`, so the answer is 400 with that message. The wrapper 
 answers `/v1/embeddings` 404 on this text generation server (`refuses_embeddings`).
 And the routes read `seed` 0 as no seed, so a client's seed 0 sampled differently each
 time, and a chat's `top_logprobs` 0 beside `logprobs` as no log-probabilities; both
-are carried past them (`kept`).
+are carried past them (`kept`). A chat's `logprobs` without `top_logprobs`, or with
+0, then gets each token's log-probability with the one alternative the routes ask
+the worker for; OpenAI's and vLLM's answers have none, so each token's alternatives
+are cut to the count asked (`ALTERNATIVES`, `alternatives_asked`).
 
 Installed by `shims.install`; it acts in the API process.
 """
@@ -52,6 +55,7 @@ import functools
 import math
 import reprlib
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import HTTPException
@@ -187,6 +191,26 @@ def kept(body: Any) -> None:
         body.top_logprobs = 1
 
 
+ALTERNATIVES: ContextVar[int | None] = ContextVar("gpt2_max_alternatives", default=None)
+"""The alternatives a token's log-probability comes with that this request's chat body
+asked for (`top_logprobs`, none if unset), set as the body is parsed, in the request's
+own context, which its answer (streamed or not) is built in."""
+
+
+def alternatives_asked(process: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`process` (the chat routes' `_process_chat_log_probabilities`), each token's
+    alternatives cut to the count the request asked for (`ALTERNATIVES`)."""
+    @functools.wraps(process)
+    def cut(outputs: Any) -> Any:
+        logprobs = process(outputs)
+        if (asked := ALTERNATIVES.get()) is not None:
+            for token in logprobs.content:
+                del token.top_logprobs[asked:]
+        return logprobs
+
+    return cut
+
+
 def refusal(error: ValueError) -> InputError:
     """`error` as an `InputError` (answered 400 with its message), the message made
     encodable: one that quotes a client's text (a model name holding a lone surrogate)
@@ -247,13 +271,16 @@ class CheckedSamplingParams(SamplingParams):
 
 def install() -> None:
     """Wraps the routes' body parser with `check`, `check_settings` and `kept` for
-    completions and chat bodies, their `SamplingParams` with `raises_input_error`, and
-    their `get_pipeline` with that and `refuses_embeddings` (once)."""
+    completions and chat bodies, their `SamplingParams` with `raises_input_error`,
+    their `get_pipeline` with that and `refuses_embeddings`, and their chat
+    log-probabilities with `alternatives_asked` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
     openai_routes.SamplingParams = CheckedSamplingParams
     openai_routes.get_pipeline = refuses_embeddings(raises_input_error(openai_routes.get_pipeline))
+    openai_routes._process_chat_log_probabilities = alternatives_asked(
+        openai_routes._process_chat_log_probabilities)
 
     async def parse(request: Any, request_id: str, model_cls: type) -> Any:
         try:
@@ -268,6 +295,8 @@ def install() -> None:
             check(body)
             if (config := getattr(request.app.state, "pipeline_config", None)) is not None:
                 check_settings(body, config.sampling)
+            if model_cls is openai_routes.CreateChatCompletionRequest and body.logprobs:
+                ALTERNATIVES.set(body.top_logprobs or 0)  # as asked, before `kept`
             kept(body)
         if model_cls is openai_routes.CreateChatCompletionRequest:
             check_tool_choice(body, openai_routes.get_tool_parser(request.app) is not None)

@@ -226,3 +226,23 @@ def test_the_parser_it_wraps_is_there_and_wrapped_once():
     request_bodies.install()
     assert openai_routes._parse_openai_request_body is wrapped
     assert openai_routes.get_pipeline is get_pipeline  # not wrapped twice
+
+
+def test_chat_log_probabilities_keep_the_alternatives_asked_for():
+    """The routes' conversion of the worker's outputs, run with the count a body asked
+    for (unset: MAX's answer, whole)."""
+    request_bodies.install()
+    process = openai_routes._process_chat_log_probabilities
+    output = SimpleNamespace(
+        sampled_tokens=["a", "b"], token_log_probabilities=[-0.1, -0.2],
+        top_log_probabilities=[{1: ("a", -0.1), 2: ("c", -2.0)}, {3: ("b", -0.2), 1: ("a", -3.0)}])
+    counts = {}
+    for asked in (None, 0, 1):
+        token = request_bodies.ALTERNATIVES.set(asked)
+        try:
+            counts[asked] = [len(t.top_logprobs) for t in process([output]).content]
+        finally:
+            request_bodies.ALTERNATIVES.reset(token)
+    assert counts == {None: [2, 2], 0: [0, 0], 1: [1, 1]}
+    request_bodies.install()
+    assert openai_routes._process_chat_log_probabilities is process  # not wrapped twice
