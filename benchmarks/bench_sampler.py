@@ -1,13 +1,14 @@
-"""The token sampler alone: MAX's sampler graph against the sampler MAX's text
-pipeline calls with the package's `sampler` room (`gpt2_max.sampler`), same logits,
-same CPU, same run.
+"""The token sampler alone: MAX's sampler graph, as MAX builds it and with the `min_p`
+cut the package adds to it on the CPU (`shims.min_p`), against the sampler MAX's text
+pipeline calls with the package's `sampler` room (`gpt2_max.sampler`, in front of the
+cut graph), same logits, same CPU, same run.
 
     PYTHONPATH=. python benchmarks/bench_sampler.py     # nothing else running
 
 For 1, 8 and 32 rows of GPT-2's vocabulary, each request kind a client sends:
 greedy (temperature 0, which MAX makes top-k 1), a temperature alone (OpenAI's
 API has no top-k; MAX's default, what `max benchmark` sends), top-k 50
-(transformers' default) and top-p 0.95. Median milliseconds of one call as MAX's
+(transformers' default), top-p 0.95 and min-p 0.05. Median milliseconds of one call as MAX's
 `FusedSamplingProcessor` makes it (`_sample_logits`' inputs). The rows the room
 does not take go to MAX's graph, so their two columns time the same graph.
 """
@@ -24,9 +25,10 @@ from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 from max.graph import DeviceRef
 from max.pipelines.lib import SamplingConfig
-from max.pipelines.sampling import token_sampler
+from max.pipelines.sampling import sampling
 
 from gpt2_max.sampler import PlainRowsSampler
+from gpt2_max.shims import min_p
 
 VOCAB = 50257
 KINDS = {
@@ -34,20 +36,21 @@ KINDS = {
     "temperature 1": dict(),
     "top-k 50": dict(top_k=50),
     "top-p 0.95": dict(top_p=0.95),
+    "min-p 0.05": dict(min_p=0.05),
 }
 """Each request kind's sampling settings beside MAX's defaults (temperature 1, no
 top-k, top-p 1, min-p 0)."""
 
 
 def sampler_inputs(rows: int, top_k: int = -1, temperature: float = 1.0,
-                   top_p: float = 1.0) -> list[Buffer]:
+                   top_p: float = 1.0, min_p: float = 0.0) -> list[Buffer]:
     """MAX's plain sampler inputs for `rows` rows of random logits at a GPT-2 scale."""
     rng = np.random.default_rng(rows)
     arrays = [
         rng.normal(0, 3, (rows, VOCAB)).astype(np.float32), np.zeros((rows, 64), np.int64),
         np.full(rows, top_k, np.int64), np.array(top_k, np.int64),
         np.full(rows, temperature, np.float32), np.full(rows, top_p, np.float32),
-        np.array(top_p, np.float32), np.zeros(rows, np.float32),
+        np.array(top_p, np.float32), np.full(rows, min_p, np.float32),
         np.arange(rows, dtype=np.uint64),
     ]
     return [Buffer.from_numpy(a) for a in arrays]
@@ -69,17 +72,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
     device = CPU()
-    maxs = InferenceSession(devices=[device]).load(token_sampler(SamplingConfig(), DeviceRef.CPU()))
-    package = PlainRowsSampler(maxs, device)
+    session = InferenceSession(devices=[device])
+    min_p.install()
+    cut = sampling.topk_fused_sampling
+    sampling.topk_fused_sampling = cut.__wrapped__  # MAX's own call, for MAX's graph
+    try:
+        maxs = session.load(sampling.token_sampler(SamplingConfig(), DeviceRef.CPU()))
+    finally:
+        sampling.topk_fused_sampling = cut
+    served = session.load(sampling.token_sampler(SamplingConfig(), DeviceRef.CPU()))
+    package = PlainRowsSampler(served, device)
     print(f"CPU: {cpu_model()}; vocabulary {VOCAB}; ms per call (median of {args.repeat})\n")
-    print("| request kind | rows | MAX's sampler graph | with gpt2_max.sampler | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| request kind | rows | MAX's sampler graph | with the min_p cut "
+          "| with gpt2_max.sampler | ratio to MAX's |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, settings in KINDS.items():
         for rows in args.rows:
             inputs = sampler_inputs(rows, **settings)
             theirs = median_ms(maxs, inputs, args.repeat)
+            with_cut = median_ms(served, inputs, args.repeat)
             ours = median_ms(package, inputs, args.repeat)
-            print(f"| {name} | {rows} | {theirs:.2f} | {ours:.2f} | {theirs / ours:.1f}x |")
+            print(f"| {name} | {rows} | {theirs:.2f} | {with_cut:.2f} | {ours:.2f} "
+                  f"| {theirs / ours:.1f}x |")
 
 
 if __name__ == "__main__":

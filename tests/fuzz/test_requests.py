@@ -7,9 +7,10 @@ strings, lone surrogates, nesting); bodies are sent plain and streamed, and each
 goes out beside a well-formed greedy request whose tokens must stay transformers'
 exact ones. Raw bodies and odd paths and methods too. What every answer must be:
 below 500, in `TIMEOUT_S`; a 4xx with an error message; a stream without an error
-event. `hypothesis` draws the cases: seeded (`derandomize`), as many a test as the
-profile says (`tests/conftest.py`: a short slice by default, `--hypothesis-profile
-long` for the long run); `--hypothesis-show-statistics` prints the outcomes by kind.
+event; a whole answer counting what it says (`check_counts`). `hypothesis` draws the
+cases: seeded (`derandomize`), as many a test as the profile says
+(`tests/conftest.py`: a short slice by default, `--hypothesis-profile long` for the
+long run); `--hypothesis-show-statistics` prints the outcomes by kind.
 """
 
 from __future__ import annotations
@@ -143,6 +144,29 @@ def check_answer(status: int, text: str, what: str) -> None:
                 assert "error" not in json.loads(line[len("data: "):]), line[:500]
 
 
+def check_counts(body: dict[str, Any], status: int, text: str) -> None:
+    """A whole (not streamed) 200 answer counts what it says it does: the token ids it
+    returns are `usage.completion_tokens`, and each token's alternatives are as many as
+    the body asked (a chat's `top_logprobs`, none if unset; a completion's `logprobs`,
+    at most, as tokens that decode alike share a key)."""
+    if status != 200 or not text.startswith("{"):
+        return
+    answer = json.loads(text)
+    choices = answer["choices"]
+    if body.get("return_token_ids") is True and not body.get("echo"):
+        assert sum(len(c["token_ids"]) for c in choices) == answer["usage"][
+            "completion_tokens"], text[:500]
+    for choice in choices:
+        logprobs = choice.get("logprobs")
+        if "messages" in body and body.get("logprobs") is True and logprobs:
+            asked = body.get("top_logprobs") or 0
+            assert all(len(t["top_logprobs"]) == asked for t in logprobs["content"]), text[:500]
+        elif "prompt" in body and logprobs and logprobs["token_logprobs"]:
+            asked = body["logprobs"]
+            assert all(len(top) <= asked for top in logprobs["top_logprobs"]), text[:500]
+            assert len(logprobs["top_logprobs"]) == len(logprobs["token_logprobs"]), text[:500]
+
+
 def dumps(body: Any) -> bytes:
     """`body` as JSON, NaN and infinities as Python writes them, lone surrogates escaped."""
     return json.dumps(body, allow_nan=True).encode()
@@ -173,7 +197,8 @@ def served(gpt2_max_structured_server):
     return server.url, server.reference.greedy(CHECK_PROMPT, CHECK_TOKENS)
 
 
-def send_beside_check(served, path: str, content: bytes, what: str, method: str = "POST"):
+def send_beside_check(served, path: str, content: bytes, what: str, method: str = "POST",
+                      body: Any = None):
     url, expected = served
 
     async def both():
@@ -181,17 +206,19 @@ def send_beside_check(served, path: str, content: bytes, what: str, method: str 
 
     (status, text), tokens = asyncio.run(both())
     check_answer(status, text, what)
+    if isinstance(body, dict):
+        check_counts(body, status, text)
     assert tokens == expected
 
 
 @given(body=bodies(COMPLETIONS, "prompt"))
 def test_completions_bodies(served, body):
-    send_beside_check(served, "/v1/completions", dumps(body), "completions")
+    send_beside_check(served, "/v1/completions", dumps(body), "completions", body=body)
 
 
 @given(body=bodies(CHAT, "messages"))
 def test_chat_bodies(served, body):
-    send_beside_check(served, "/v1/chat/completions", dumps(body), "chat")
+    send_beside_check(served, "/v1/chat/completions", dumps(body), "chat", body=body)
 
 
 @given(
