@@ -109,6 +109,24 @@ def test_same_seed_samples_the_same_tokens(api):
     assert sample() == sample()
 
 
+def test_min_p_1_samples_the_greedy_tokens(api):
+    """MAX 26.7's CPU sampling kernel ignores min_p, so the package cuts it on the CPU
+    (`shims.min_p`); on the GPU MAX's kernel is left to apply it: at 1 only the largest
+    logit is left, so a seeded draw at temperature 1 is the greedy answer."""
+    prompt = random_prompt(10, seed=12)
+
+    def answer(**options) -> list[int]:
+        return token_ids(api.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=16, seed=1234,
+            temperature=options.pop("temperature", 1.0),
+            extra_body={"ignore_eos": True, "return_token_ids": True, **options},
+        ).choices[0])
+
+    greedy = answer(temperature=0.0)
+    assert answer() != greedy
+    assert answer(min_p=1.0) == greedy
+
+
 def bfloat16_tolerance(reference, prompt: list[int], tokens: list[int]) -> float:
     """Three times transformers' own bfloat16 deviation from float32 on these steps."""
     fp32 = reference_rows(reference, prompt, tokens)
