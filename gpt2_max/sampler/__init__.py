@@ -17,7 +17,9 @@ place of the text pipeline's sampler (`shims.shared_sampler` installs it):
 rows that are greedy or unrestricted go through this package's graph of MAX's
 ops, and the others through MAX's graph, split by row where a batch holds both,
 so a seeded row draws the same tokens whatever requests share its batch. A batch
-with no sampled plain row goes to MAX's graph whole. Decode bursts sample with the
+of greedy rows alone takes their largest logits in a graph of its own, which skips
+the `min_p` cut `shims.min_p` adds to MAX's graph; one whose plain rows are all
+greedy beside rows that need a sort goes to MAX's graph whole. Decode bursts sample with the
 same object, so a burst's tokens are the loop's. A min-tokens mask is written into
 the logits as MAX's graph writes it.
 `GPT2_MAX_SAMPLER=max` leaves MAX's sampler in place; a copy that deletes this
@@ -56,7 +58,7 @@ class PlainRowsSampling(Extension):
             )
             return sampler
         logger.info(
-            f"{PACKAGE}: rows without top-k, top-p or min-p are sampled by "
+            f"{PACKAGE}: greedy rows, and rows without top-k, top-p or min-p, are sampled by "
             f"{PACKAGE}'s sampler graph, others by MAX's (set "
             f"{setting('sampler').variable}=max for MAX's alone)"
         )

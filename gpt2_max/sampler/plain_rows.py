@@ -113,9 +113,9 @@ class PlainRowsSampler:
     """Called as MAX calls its sampler graph (`_sample_logits`): plain rows go to this
     package's graph and the others to `fallback`, MAX's own graph, so each row's token
     is a function of its own logits and seed, whatever rows share its batch (each half
-    draws a row as it would alone). A batch with no sampled plain row, or a call with
-    inputs past MAX's plain ones, goes to `fallback` whole, and a call of greedy rows
-    alone to this package's graph of them."""
+    draws a row as it would alone). A call of greedy rows alone goes to this package's
+    graph of them; one whose plain rows are all greedy beside rows that need a sort,
+    or with inputs past MAX's plain ones, goes to `fallback` whole."""
 
     def __init__(self, fallback: Any, device: Device) -> None:
         self._fallback = fallback

@@ -8,8 +8,9 @@ graph's builder calls keeps, before that kernel, only the tokens whose probabili
 at the row's temperature is at least `min_p` times the most likely token's, and
 gives the others -inf: vLLM's rule, applied after the penalties, the min-tokens mask
 and a grammar's bitmask, which the graph applies first. A kernel that applied
-`min_p` itself would find nothing more to cut (the most likely token, and every
-kept token's ratio to it, are unchanged). Off the CPU the graph is MAX's own.
+`min_p` to the same tempered probabilities would find nothing more to cut (the most
+likely token, and every kept token's ratio to it, are unchanged). Off the CPU the
+graph is MAX's own.
 
 Installed by `shims.install`; it acts where a sampler graph is built after it (the
 model worker, an in-process `Generator`).

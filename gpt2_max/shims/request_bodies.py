@@ -191,7 +191,7 @@ def kept(body: Any) -> None:
         body.top_logprobs = 1
 
 
-ALTERNATIVES: ContextVar[int | None] = ContextVar("gpt2_max_alternatives", default=None)
+ALTERNATIVES: ContextVar[int | None] = ContextVar("alternatives_asked", default=None)
 """The alternatives a token's log-probability comes with that this request's chat body
 asked for (`top_logprobs`, none if unset), set as the body is parsed, in the request's
 own context, which its answer (streamed or not) is built in."""

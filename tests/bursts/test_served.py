@@ -118,7 +118,7 @@ def served(request, checkpoints, quantized_model, gguf_files, tmp_path_factory) 
     assert "where the burst sampled" not in log
     assert "a decode burst ends at the step a new request arrives" in log
     # Plain rows ("seeded temperature") go through the package's sampler, on both.
-    assert "rows without top-k, top-p or min-p are sampled by" in log
+    assert "greedy rows, and rows without top-k, top-p or min-p, are sampled by" in log
     return tuple(results)
 
 

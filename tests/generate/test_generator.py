@@ -104,6 +104,16 @@ def test_sampling_is_seeded(generator, options):
     assert first.token_ids != other.token_ids
 
 
+def test_min_p_1_leaves_the_largest_logit(generator):
+    """MAX 26.7's CPU kernel drew as if min_p were 0 (`shims.min_p`), in-process too."""
+    prompt = "Seeded sampling"
+    greedy = generator.generate(prompt, 12, ignore_eos=True).token_ids
+    drawn = lambda **o: generator.generate(  # noqa: E731
+        prompt, 12, seed=7, temperature=1.0, ignore_eos=True, **o).token_ids
+    assert drawn() != greedy
+    assert drawn(min_p=1.0) == drawn(min_p=1.0, top_k=20) == greedy
+
+
 def test_logprobs_match_transformers(generator, hf_models):
     prompt = random_prompt(15, seed=5)
     result = generator.generate(prompt, NEW_TOKENS, ignore_eos=True, logprobs=2)

@@ -177,6 +177,15 @@ def test_a_min_tokens_mask_bans_its_tokens_as_maxs_graph_does(sampler) -> None:
     assert buffers[0].to_numpy()[1, best[1]] == -10000.0
 
 
+def test_a_min_tokens_mask_bans_its_tokens_in_a_call_of_greedy_rows(sampler) -> None:
+    logits = np.random.default_rng(5).normal(0, 2, (2, VOCAB))
+    best = logits.argmax(axis=1)
+    buffers = inputs(logits, top_k=1, temperature=0.0)
+    mask = Buffer.from_numpy(np.array([[0, best[0]]], np.int32))  # row 0's largest banned
+    tokens = sampler(*buffers, mask)[0].to_numpy()
+    assert tokens[0] == np.argsort(logits[0])[-2] and tokens[1] == best[1]
+
+
 ROWS = [dict(), dict(top_k=5), dict(temperature=0.7), dict(top_p=0.8),
         dict(top_k=1, temperature=0.0), dict(min_p=0.05), dict(top_k=VOCAB)]
 """Rows of every kind: plain (sampled, greedy, a top-k of the whole vocabulary) and
