@@ -31,7 +31,7 @@ from max.serve.telemetry.gc_utils import freeze_gc_heap
 from .. import arch  # noqa: F401  (installs the shims before AutoModel builds its config)
 from ..names import PACKAGE
 from ..shims.internals import row_seed_stride
-from .requests import Options, Requests
+from .requests import Options, Requests, is_integer
 from .results import Completion
 from .stepping import StepRecorder, prefill, run
 
@@ -156,6 +156,9 @@ class Generator:
         run and the `n` with the highest cumulative log-probability are returned,
         best first.
         """
+        for name, value in (("n", n), ("best_of", best_of)):
+            if not (is_integer(value) or value is None and name == "best_of"):
+                raise TypeError(f"{name} takes an integer, not {value!r}.")
         count = best_of or n
         if not 1 <= n <= count:
             raise ValueError(f"need 1 <= n <= best_of, got n={n}, best_of={best_of}")
@@ -167,7 +170,7 @@ class Generator:
             [prompt] * count,
             max_new_tokens,
             base,
-            seeds=[base.seed + i * stride for i in range(count)],
+            seeds=None if base.seed is None else [base.seed + i * stride for i in range(count)],
         )
         # Only full pages are shared, so a prompt within one page is not worth a prefill.
         if count > 1 and rows[0].context.tokens.prompt_length > self.page_size:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,6 +38,66 @@ _ENCODE = msgpack_numpy_encoder()
 _DECODE = msgpack_numpy_decoder(gpt2_arch.context_type, copy=True)
 
 
+def is_integer(value: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_items(value: Any) -> bool:
+    """A sequence or array of items, not text or bytes, whose items are not read as
+    characters or bytes."""
+    return isinstance(value, Iterable) and not isinstance(value, str | bytes | bytearray | dict)
+
+
+TAKES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "temperature": ("a number", is_number),
+    "top_k": ("an integer", is_integer),
+    "top_p": ("a number", is_number),
+    "min_p": ("a number", is_number),
+    "seed": ("an integer", is_integer),
+    "stop": ("a string or a list of strings",
+             lambda v: isinstance(v, str) or is_items(v) and all(isinstance(s, str) for s in v)),
+    "stop_token_ids": ("a list of integers", lambda v: is_items(v) and all(map(is_integer, v))),
+    "ignore_eos": ("True or False", lambda v: isinstance(v, bool)),
+    "logprobs": ("an integer", is_integer),
+    "json_schema": ("a JSON schema, as text or a dict", lambda v: isinstance(v, str | dict)),
+    "json_object": ("True or False", lambda v: isinstance(v, bool)),
+    "regex": ("a string", lambda v: isinstance(v, str)),
+    "grammar": ("a string", lambda v: isinstance(v, str)),
+    "grammar_engine": ("a string", lambda v: isinstance(v, str)),
+}
+"""What each option takes, besides None where its default is None (and `seed`'s None:
+a new draw each call, as `max serve` draws for a request without a seed). A value of
+another type would reach MAX's request schema and fail there unnamed, or be read as
+something else (`True` as 1, the characters of a string as stop strings)."""
+
+
+def prompt_for(prompt: Any, index: int) -> str | list[int]:
+    """Prompt `index` as the tokenizer takes it: text, or token ids. Bytes, floats and
+    nested lists would be read as ids (a byte's value, a float cut to an integer), so
+    they are refused by name.
+
+    Raises:
+        TypeError: `prompt` is neither text nor a sequence of integers.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    if not is_items(prompt):
+        raise TypeError(f"prompt {index} is {type(prompt).__name__}: give text or a list of "
+                        "token ids.")
+    ids = list(prompt)
+    for position, token in enumerate(ids):
+        if not is_integer(token):
+            raise TypeError(f"prompt {index} holds {token!r} at position {position}: token ids "
+                            "are integers.")
+    return [int(token) for token in ids]
+
+
 def as_served(context: TextContext) -> TextContext:
     """`context` as `max serve`'s model worker holds it: decoded from MAX's message as the
     architecture's context type, so the rooms that type carries (decode bursts, drafts)
@@ -49,24 +110,24 @@ class Options:
     """Per-request settings; every method of `Generator` takes them as keywords.
 
     `temperature=0` (the default) is greedy. `seed` picks the sampling stream as
-    `max serve` does. `stop` strings cut the text before the first one (the
-    rule in `gpt2_max.stop`); `stop_token_ids` end a row like EOS. `logprobs=k`
-    reports each sampled token's log-probability and its k most likely
-    alternatives. At most one of `json_schema`, `json_object` (any JSON object:
-    OpenAI's `response_format={"type": "json_object"}`, as MAX's server reads
-    it), `regex` and `grammar` (Lark) constrains the output. `grammar_engine`
-    picks who enforces it: "llguidance" (the default: canonical tokens, forced
-    ones fast-forwarded) or "xgrammar" (`json_schema` and `json_object` only:
-    MAX's own structured-output path as `max serve
-    --enable-structured-output` runs it, so the same schema, prompt and seed
-    give the server's tokens, greedy or sampled).
+    `max serve` does (None: a new draw each call, as for a request without one).
+    `stop` strings cut the text before the first one (the rule in `gpt2_max.stop`);
+    `stop_token_ids` end a row like EOS. `logprobs=k` reports each sampled token's
+    log-probability and its k most likely alternatives. At most one of
+    `json_schema`, `json_object` (any JSON object: OpenAI's
+    `response_format={"type": "json_object"}`, as MAX's server reads it), `regex`
+    and `grammar` (Lark) constrains the output. `grammar_engine` picks who enforces
+    it: "llguidance" (the default: canonical tokens, forced ones fast-forwarded) or
+    "xgrammar" (`json_schema` and `json_object` only: MAX's own structured-output
+    path as `max serve --enable-structured-output` runs it, so the same schema,
+    prompt and seed give the server's tokens, greedy or sampled).
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
-    seed: int = 0
+    seed: int | None = 0
     stop: str | Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
@@ -80,9 +141,13 @@ class Options:
     @classmethod
     def parse(cls, options: dict[str, Any]) -> Options:
         """`Options(**options)`, naming unknown keywords and the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        if unknown := sorted(set(options) - names):
-            raise TypeError(f"unknown option(s) {unknown}; valid options: {sorted(names)}")
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(options) - set(fields)):
+            raise TypeError(f"unknown option(s) {unknown}; valid options: {sorted(fields)}")
+        for name, value in options.items():
+            what, takes = TAKES[name]
+            if not (value is None and (fields[name] is None or name == "seed") or takes(value)):
+                raise TypeError(f"{name} takes {what}, not {value!r}.")
         return cls(**options)
 
     @property
@@ -139,8 +204,12 @@ class Requests:
         seeds: Sequence[int] | None = None,
     ) -> list[Row]:
         """Validates everything and builds every row before any cache is claimed."""
+        if not is_integer(max_new_tokens):
+            raise TypeError(f"max_new_tokens takes an integer, not {max_new_tokens!r}.")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, was {max_new_tokens}.")
+        if not is_items(prompts):
+            raise TypeError(f"prompts is {type(prompts).__name__}: give a list of prompts.")
         if not prompts:
             raise ValueError("no prompts given.")
         request_bodies.check(options)  # the server's rule: int64 integers, finite numbers
@@ -215,6 +284,7 @@ class Requests:
         server's chat route makes, so the tokenizer gives its context the schema
         MAX's pipeline constrains with.
         """
+        prompts = [prompt_for(prompt, i) for i, prompt in enumerate(prompts)]
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; give at least one token of text.")
@@ -227,7 +297,7 @@ class Requests:
             TextGenerationRequest(
                 request_id=RequestID(),
                 model_name=PACKAGE,
-                prompt=prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+                prompt=prompt,
                 logprobs=options.logprobs,
                 response_format=response_format,
                 sampling_params=SamplingParams.from_input_and_generation_config(

@@ -181,6 +181,21 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
         (lambda g: g.generate("hi", logprobs=100), ValueError),
         (lambda g: g.generate("hi", logprobs=-1), ValueError),
         (lambda g: g.branches("hi", 3, best_of=2), ValueError),
+        # Types MAX's schema would refuse unnamed, or read as something else.
+        (lambda g: g.generate("hi", 1.5), TypeError),
+        (lambda g: g.generate("hi", "3"), TypeError),
+        (lambda g: g.generate([1.5, 2]), TypeError),
+        (lambda g: g.generate(b"hi"), TypeError),
+        (lambda g: g.generate([[1, 2]]), TypeError),
+        (lambda g: g.generate(None), TypeError),
+        (lambda g: g.generate_batch("hi"), TypeError),
+        (lambda g: g.generate("hi", stop=5), TypeError),
+        (lambda g: g.generate("hi", stop=[b"x"]), TypeError),
+        (lambda g: g.generate("hi", stop_token_ids=[1.0]), TypeError),
+        (lambda g: g.generate("hi", logprobs=True), TypeError),
+        (lambda g: g.generate("hi", ignore_eos="yes"), TypeError),
+        (lambda g: g.generate("hi", temperature="0.5"), TypeError),
+        (lambda g: g.branches("hi", "3"), TypeError),
     ],
 )
 def test_bad_input_raises_and_generator_stays_usable(generator, hf_models, call, error):
