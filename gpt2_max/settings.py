@@ -108,7 +108,7 @@ SETTINGS: tuple[Setting, ...] = (
             "`1` runs tokens a grammar forces without steps of their own"),
     Setting("sampler", "package", "`package` on the CPU", _one_of("package", "max"),
             "`max` samples every row with MAX's sampler graph, as a GPU always does; "
-            "`package` rows with no top-k, top-p or min-p with the package's"),
+            "`package` greedy rows and rows with no top-k, top-p or min-p with the package's"),
     Setting("draft", None, "unset", _draft,
             "what drafts tokens that the model checks, on the CPU (speculative decoding): "
             "a block type (`q4_0`, `q8_0`, ...), a copy of the model's weights packed in "

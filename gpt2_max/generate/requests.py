@@ -77,6 +77,10 @@ another type would reach MAX's request schema and fail there unnamed, or be read
 something else (`True` as 1, the characters of a string as stop strings)."""
 
 
+LISTS = ("stop", "stop_token_ids")
+"""The options that take a list, kept as a tuple of its items."""
+
+
 def prompt_for(prompt: Any, index: int) -> str | list[int]:
     """Prompt `index` as the tokenizer takes it: text, or token ids. Bytes, floats and
     nested lists would be read as ids (a byte's value, a float cut to an integer), so
@@ -144,6 +148,8 @@ class Options:
         fields = {f.name: f.default for f in dataclasses.fields(cls)}
         if unknown := sorted(set(options) - set(fields)):
             raise TypeError(f"unknown option(s) {unknown}; valid options: {sorted(fields)}")
+        options = {name: tuple(value) if name in LISTS and is_items(value) else value
+                   for name, value in options.items()}  # an iterator read once, kept
         for name, value in options.items():
             what, takes = TAKES[name]
             if not (value is None and (fields[name] is None or name == "seed") or takes(value)):
@@ -210,6 +216,7 @@ class Requests:
             raise ValueError(f"max_new_tokens must be at least 1, was {max_new_tokens}.")
         if not is_items(prompts):
             raise TypeError(f"prompts is {type(prompts).__name__}: give a list of prompts.")
+        prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts given.")
         request_bodies.check(options)  # the server's rule: int64 integers, finite numbers

@@ -12,16 +12,16 @@ temperature), and those need no sort: a token drawn from the softmax's running
 sum at one uniform draw is a token drawn from the softmax.
 
 A room of its own (`extensions.ROOMS`): the model gets one `Extension` whose
-`sampler` hook, when the sampler runs on the CPU, puts a `PlainRowsSampler` in
-place of the text pipeline's sampler (`shims.shared_sampler` installs it):
-rows that are greedy or unrestricted go through this package's graph of MAX's
-ops, and the others through MAX's graph, split by row where a batch holds both,
-so a seeded row draws the same tokens whatever requests share its batch. A batch
-of greedy rows alone takes their largest logits in a graph of its own, which skips
-the `min_p` cut `shims.min_p` adds to MAX's graph; one whose plain rows are all
-greedy beside rows that need a sort goes to MAX's graph whole. Decode bursts sample with the
-same object, so a burst's tokens are the loop's. A min-tokens mask is written into
-the logits as MAX's graph writes it.
+`sampler` hook, when the sampler runs on the CPU, puts a `PlainRowsSampler` in place
+of the text pipeline's sampler (`shims.shared_sampler` installs it): rows that are
+greedy or unrestricted go through this package's graph of MAX's ops, and the others
+through MAX's graph, split by row where a batch holds both, so a seeded row draws
+the same tokens whatever requests share its batch. A batch of greedy rows alone
+takes their largest logits in a graph of its own, which skips the `min_p` cut
+`shims.min_p` adds to MAX's graph; one whose plain rows are all greedy beside rows
+that need a sort goes to MAX's graph whole. Decode bursts sample with the same
+object, so a burst's tokens are the loop's. A min-tokens mask is written into the
+logits as MAX's graph writes it.
 `GPT2_MAX_SAMPLER=max` leaves MAX's sampler in place; a copy that deletes this
 folder samples with MAX's kernel alone.
 """

@@ -196,6 +196,7 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
         (lambda g: g.generate("hi", ignore_eos="yes"), TypeError),
         (lambda g: g.generate("hi", temperature="0.5"), TypeError),
         (lambda g: g.branches("hi", "3"), TypeError),
+        (lambda g: g.generate("hi", stop=iter([5])), TypeError),
     ],
 )
 def test_bad_input_raises_and_generator_stays_usable(generator, hf_models, call, error):
