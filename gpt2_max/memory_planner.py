@@ -20,6 +20,11 @@ its own pages, one for each of the model's: `extensions.memory_beside`) is left
 it: without the flag the cache gets the share of the remainder that leaves the
 room its fixed bytes and its bytes for each of the cache's pages.
 
+Where MAX's plain layers serve (a GPU), every weight is held in the graph's dtype,
+and a GGUF's packed blocks are dequantized at load (`layers.Layers.unpack`): several
+times the file's bytes, which are all MAX counts for the weights. The planner
+reserves the difference too (`unpacked_excess`).
+
 The planner's only say over the cache is the memory it reserves besides the
 weights (`estimate_activation_memory`); MAX gives the cache what remains of
 the usable free memory (as much of it as `--max-batch-size` full sequences
@@ -37,6 +42,7 @@ from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 
 from .extensions import Beside, memory_beside
 from .shims.internals import free_memory, planner_config
+from .weights.schema import expected_shapes
 
 
 def kv_cache_budget_bytes(kv_params: Any, total_tokens: int) -> int:
@@ -54,6 +60,16 @@ def cache_share(remainder: int, page_bytes: int, beside: Beside) -> int:
     return pages * page_bytes
 
 
+def unpacked_excess(config: Any, huggingface_config: Any, file_bytes: int) -> int:
+    """Bytes the weights of arch config `config` take beyond `file_bytes` where the
+    plain layers hold each in the graph's dtype (the head padded to `head_rows`)."""
+    if config.fast_layers:
+        return 0
+    values = sum(math.prod(shape) for shape in expected_shapes(huggingface_config).values())
+    values += (config.head_rows - config.vocab_size) * config.hidden_size
+    return max(0, values * config.dtype.size_in_bytes - file_bytes)
+
+
 class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
     """`PagedMemoryPlanner` whose cache holds `--max-batch-total-tokens` tokens, when set,
     and otherwise leaves the rooms what they take beside it."""
@@ -61,9 +77,11 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
     def estimate_activation_memory(
         self, pipeline_config: Any, huggingface_config: Any
     ) -> int:
-        reserved = super().estimate_activation_memory(pipeline_config, huggingface_config)
-        total_tokens = pipeline_config.runtime.max_batch_total_tokens
         config = planner_config(self)
+        reserved = super().estimate_activation_memory(
+            pipeline_config, huggingface_config
+        ) + unpacked_excess(config, huggingface_config, self.estimate_weights_size(pipeline_config))
+        total_tokens = pipeline_config.runtime.max_batch_total_tokens
         kv_params = config.get_kv_params()
         beside = memory_beside(pipeline_config, huggingface_config, kv_params)
         if total_tokens is None and beside == Beside():

@@ -35,7 +35,7 @@ from max.pipelines.lib import ModelInputs, ModelOutputs, ModuleV3PipelineModelWi
 from . import extensions, shims
 from .batch_processor import GPT2BatchProcessor
 from .gpt2 import GPT2
-from .layers import layers_for, uses_fast_layers
+from .layers import layers_for
 from .log_probabilities import LogProbabilities
 from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
@@ -178,14 +178,12 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
             )
         # The fast layers hold each weight as the adapter loaded it; the plain ones
         # cast every weight to the graph's dtype (`Layers.prepare`).
-        fast = uses_fast_layers(self.device_refs[0].is_cpu())
-        plan = WeightPlan.of(state_dict) if fast else WeightPlan()
+        config = self.arch_config_as(GPT2ArchConfig)
+        plan = WeightPlan.of(state_dict) if config.fast_layers else WeightPlan()
         if self.return_logits == ReturnLogits.LAST_TOKEN:
             # The head then multiplies each sequence's last rows alone, prefill or not.
             plan = dataclasses.replace(plan, few_rows=frozenset({HEAD_WEIGHT}))
-        return dataclasses.replace(
-            self.arch_config_as(GPT2ArchConfig), return_logits=self.return_logits, weights=plan
-        )
+        return dataclasses.replace(config, return_logits=self.return_logits, weights=plan)
 
     def _prepare_state_dict(
         self, state_dict: dict[str, Any], model_config: GPT2ArchConfig

@@ -31,6 +31,7 @@ from typing_extensions import Self, override
 
 from . import encodings
 from .names import PACKAGE
+from .settings import settings
 from .shims.internals import quantization_encoding
 from .weights.files import tokenizer_files_named
 from .weights.formats import check_complete
@@ -186,6 +187,12 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     return_logits: ReturnLogits = ReturnLogits.LAST_TOKEN
     weights: WeightPlan = field(default_factory=WeightPlan)
     """How the loaded weights are held (packed, float16); the layers follow it."""
+
+    @property
+    def fast_layers(self) -> bool:
+        """Whether the package's fast layers serve (`layers.layers_for`): on the CPU,
+        unless `GPT2_MAX_LAYERS=plain`; MAX's plain layers everywhere else."""
+        return self.devices[0].is_cpu() and settings().layers == "fast"
 
     @property
     def head_rows(self) -> int:

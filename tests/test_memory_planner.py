@@ -1,11 +1,18 @@
-"""How much of the memory left the KV cache takes when a room takes some beside it."""
+"""How much of the memory left the KV cache takes when a room takes some beside it, and
+what the plain layers' weights take beyond their files."""
 
 from __future__ import annotations
 
 import pytest
+from max.dtype import DType
+from max.graph import DeviceRef
+from transformers import GPT2Config
 
 from gpt2_max.extensions import Beside
-from gpt2_max.memory_planner import cache_share
+from gpt2_max.layers import LAYERS_ENV
+from gpt2_max.memory_planner import cache_share, unpacked_excess
+from gpt2_max.settings import settings as package_settings
+from tests.test_model_config import max_config
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -25,3 +32,24 @@ def test_the_cache_takes_the_most_whole_pages_that_leave_the_room_its_share(besi
 
 def test_a_room_larger_than_what_is_left_leaves_the_cache_nothing():
     assert cache_share(10_000, 100, Beside(20_000, 10)) == 0
+
+
+def gpt2_values(hf: GPT2Config) -> int:
+    """GPT-2's parameter count, tied: the tables, the final norm, 12h² + 13h a block."""
+    h = hf.n_embd
+    return (hf.vocab_size + hf.n_positions) * h + 2 * h + hf.n_layer * (12 * h * h + 13 * h)
+
+
+def test_plain_layers_reserve_what_their_weights_take_beyond_the_files(monkeypatch):
+    hf = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=300)
+    shape = dict(vocab_size=300, usable_vocab_size=300, hidden_size=64)
+    gpu = max_config(devices=[DeviceRef.GPU()], dtype=DType.bfloat16, **shape)
+    held = (gpt2_values(hf) + (gpu.head_rows - 300) * 64) * 2  # the padded head's rows
+    assert gpu.head_rows == 512
+    assert unpacked_excess(gpu, hf, 1000) == held - 1000  # a GGUF's blocks, dequantized
+    assert unpacked_excess(gpu, hf, 10**9) == 0  # a float32 file cast down
+    cpu = max_config(**shape)
+    assert unpacked_excess(cpu, hf, 1000) == 0  # the fast layers hold blocks packed
+    monkeypatch.setenv(LAYERS_ENV, "plain")
+    package_settings.cache_clear()
+    assert unpacked_excess(cpu, hf, 1000) == gpt2_values(hf) * 4 - 1000

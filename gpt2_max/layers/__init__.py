@@ -18,12 +18,14 @@ where its weights allow. `layers_for` takes them on the CPU unless
 
 On a GPU the plain layers run, in the graph's dtype (bfloat16 by default there):
 the package's kernels and the weights it keeps packed or in float16 are CPU-only,
-so `Layers.prepare` casts every float tensor to the graph's dtype and refuses
-packed blocks, which no plain layer multiplies.
+so `Layers.prepare` casts every float tensor to the graph's dtype and dequantizes
+packed GGUF blocks, which no plain layer multiplies, at load.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -32,13 +34,16 @@ from max.experimental.tensor import Tensor
 from max.graph.weights import WeightData
 
 from ..model_config import GPT2ArchConfig
-from ..settings import setting, settings
-from ..weights.plan import block_type
-from ..weights.schema import CheckpointError
+from ..names import PACKAGE
+from ..settings import setting
+from ..weights.plan import block_type, unpacked
+from ..weights.schema import HEAD_WEIGHT
 from .attention import GPT2Attention
 from .block import GPT2Block
 
 LAYERS_ENV = setting("layers").variable
+
+logger = logging.getLogger("max.pipelines")
 
 
 class Layers:
@@ -74,25 +79,44 @@ class Layers:
         parameter was built in, and records no cast for a local checkpoint whose
         encoding was given, so the cast follows each tensor's dtype, not MAX's
         record: a float32, float16 or bfloat16 tensor becomes `config.dtype`.
-
-        Raises:
-            CheckpointError: a tensor is packed GGUF blocks, which only the CPU's
-                fast layers multiply.
+        A GGUF's packed blocks are dequantized first (`unpack`).
         """
         dtype = self.config.dtype
-        for name, weight in state_dict.items():
-            if (kind := block_type(weight)) is not None:
-                raise CheckpointError(
-                    f"tensor {name!r} is packed as {kind}; "
-                    f"the plain layers multiply float tensors only. Serve this file on the "
-                    f"CPU (`--devices cpu`) without {LAYERS_ENV}=plain, or a float file."
-                )
+        state_dict = self.unpack(state_dict)
         if (head := self.config.head_weight) in state_dict:
             state_dict = {**state_dict, head: pad_rows(state_dict[head], self.config.head_rows)}
         return {
             name: weight if weight.dtype == dtype else weight.astype(dtype)
             for name, weight in state_dict.items()
         }
+
+    def unpack(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """`state_dict` with its packed GGUF blocks dequantized, said in one log line.
+
+        Only the CPU's fast layers multiply blocks; here a quantized file loads as
+        floats (several times its size: the line says how much) rather than not at
+        all. A tied head's packed copy of the token table (`gguf.adapter`) goes: the
+        head multiplies the float table the embedding gathers from.
+        """
+        packed = {name: kind for name, weight in state_dict.items()
+                  if (kind := block_type(weight)) is not None}
+        if self.config.head_reads_wte and packed.pop(HEAD_WEIGHT, None):
+            state_dict = {name: w for name, w in state_dict.items() if name != HEAD_WEIGHT}
+        if not packed:
+            return state_dict
+        blocks = sum(np.from_dlpack(state_dict[name].data).nbytes for name in packed)
+        state_dict = {
+            name: unpacked(weight) if name in packed else weight
+            for name, weight in state_dict.items()
+        }
+        held = sum(math.prod(int(d) for d in state_dict[name].shape) for name in packed)
+        logger.info(
+            f"{PACKAGE}: {len(packed)} packed GGUF tensor(s) "
+            f"({', '.join(sorted(set(packed.values())))}) dequantized to {self.config.dtype.name} "
+            f"at load, as MAX's plain layers multiply floats: {blocks / 2**20:.1f} MiB of "
+            f"blocks become {held * self.config.dtype.size_in_bytes / 2**20:.1f} MiB"
+        )
+        return state_dict
 
 
 def pad_rows(weight: WeightData, rows: int) -> WeightData:
@@ -104,14 +128,9 @@ def pad_rows(weight: WeightData, rows: int) -> WeightData:
     return WeightData.from_numpy(np.concatenate([table, padding]), weight.name)
 
 
-def uses_fast_layers(on_cpu: bool) -> bool:
-    """Whether the package's fast layers serve: on the CPU, unless `LAYERS_ENV` says plain."""
-    return on_cpu and settings().layers == "fast"
-
-
 def layers_for(config: GPT2ArchConfig) -> Layers:
-    """The fast layers where `uses_fast_layers`, else MAX's plain ones."""
-    if uses_fast_layers(config.devices[0].is_cpu()):
+    """The fast layers where `config.fast_layers`, else MAX's plain ones."""
+    if config.fast_layers:
         from .fast import FastLayers
 
         return FastLayers(config)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import gguf
 import numpy as np
 from max.dtype import DType
 from max.graph import Shape
@@ -46,6 +47,16 @@ def block_type(weight: WeightData) -> str | None:
         return weight.block_type
     encoding = weight.quantization_encoding
     return None if encoding is None else encoding.name.lower()
+
+
+def unpacked(weight: WeightData) -> WeightData:
+    """Packed `weight` (`[out, bytes]`, as the file stores its blocks) dequantized to
+    float32 `[out, in]` by the `gguf` package, for layers that multiply floats."""
+    kind = block_type(weight)
+    assert kind is not None, weight.name
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    values = gguf.quants.dequantize(np.from_dlpack(weight.data), qtype)
+    return WeightData.from_numpy(np.ascontiguousarray(values, dtype=np.float32), weight.name)
 
 
 @dataclass(frozen=True)

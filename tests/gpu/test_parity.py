@@ -18,7 +18,13 @@ from max.pipelines import AutoModel
 from transformers import GPT2LMHeadModel
 
 from gpt2_max.names import PACKAGE
-from gpt2_max.testing.reference import load_reference, random_prompt, random_state_dict
+from gpt2_max.testing.reference import (
+    hf_on_gguf_weights,
+    load_reference,
+    random_prompt,
+    random_state_dict,
+    save_gguf,
+)
 from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 
 from .parity import BFLOAT16_MARGIN, GPU_STD, IN_PROCESS, clear_steps, reference_rows
@@ -127,5 +133,27 @@ def test_family_shapes_on_a_gpu_match_transformers(shaped, encoding, record_prop
     )
     try:
         compare(model, reference, encoding, record_property)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("file_type, encoding", [("q8_0", None), ("q4_k_m", "bfloat16")])
+def test_a_quantized_gguf_on_a_gpu_loads_its_blocks_dequantized(
+    gpu_reference, file_type, encoding, tmp_path, record_property
+):
+    """A packed GGUF on the card: `gpt2-q8_0.gguf` as typed (MAX reads no encoding from
+    that name, so bfloat16), and a Q4_K_M file, whose name MAX reads as the CPU's
+    `q4_k`, with bfloat16 asked for. Each loads its blocks dequantized and is as close
+    to transformers on the same dequantized weights as a float checkpoint is."""
+    path = save_gguf(gpu_reference, tmp_path / file_type, file_type)
+    model = AutoModel(
+        str(path.parent), weight_path=[str(path)], devices="gpu", max_batch_size=4,
+        custom_architectures=[PACKAGE], **IN_PROCESS,
+        **({} if encoding is None else {"quantization_encoding": encoding}),
+    )
+    try:
+        assert model.pipeline_config.model.quantization_encoding == "bfloat16"
+        assert all(spec.device_type == "gpu" for spec in model.pipeline_config.model.device_specs)
+        compare(model, hf_on_gguf_weights(gpu_reference, path), "bfloat16", record_property)
     finally:
         model.close()
