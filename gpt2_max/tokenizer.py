@@ -26,7 +26,9 @@ request to such a model with 400. `PLAIN_CHAT_TEMPLATE` renders a conversation
 as plain `Role: content` lines ending in `Assistant:`, which a base model can
 continue. It is used only for chat requests: completions and `max generate`
 still see a template-less tokenizer and send the raw prompt. A template in the
-checkpoint or `--chat-template` takes precedence.
+checkpoint or `--chat-template` takes precedence. A chat the template refuses
+(its `raise_exception`: roles that do not alternate, say) is answered 400 with the
+template's reason, where MAX's routes would answer 500.
 
 Exact `stop` strings for this tokenizer's requests under `max serve` are
 `gpt2_max.shims.stop_strings`' business, installed when the architecture is
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 from max.pipelines.context import EOSTracker, TextContext
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.lib import PipelineConfig, TextTokenizer
@@ -175,14 +178,24 @@ class GPT2TextTokenizer(TextTokenizer):
         tools: list[TextGenerationRequestTool] | None,
         **chat_template_options: Any,
     ) -> str:
-        # MAX sets a `--chat-template` on the delegate, so this sees it too.
-        if self.delegate.chat_template:
-            return super().apply_chat_template(messages, tools, **chat_template_options)
-        return PreTrainedTokenizerBase.apply_chat_template(
-            self.delegate,
-            [message.flatten_content() for message in messages],
-            chat_template=PLAIN_CHAT_TEMPLATE,
-            tokenize=False,
-            tools=tools,
-            **{"add_generation_prompt": True, **chat_template_options},
-        )
+        """The chat as the template renders it; a conversation or `chat_template_kwargs`
+        the template refuses (its `raise_exception`, a variable of the wrong type) is
+        refused 400 with the template's reason, where MAX's routes would answer 500 or
+        "Invalid JSON."."""
+        try:
+            # MAX sets a `--chat-template` on the delegate, so this sees it too.
+            if self.delegate.chat_template:
+                return super().apply_chat_template(messages, tools, **chat_template_options)
+            return PreTrainedTokenizerBase.apply_chat_template(
+                self.delegate,
+                [message.flatten_content() for message in messages],
+                chat_template=PLAIN_CHAT_TEMPLATE,
+                tokenize=False,
+                tools=tools,
+                **{"add_generation_prompt": True, **chat_template_options},
+            )
+        except (TemplateError, TypeError, ValueError) as error:
+            # MAX wraps a `--chat-template`'s error in a ValueError of its own.
+            reason = error.__cause__ or error
+            refused = ValueError(f"the chat template cannot render this chat: {reason}")
+            raise refusal(refused) from error

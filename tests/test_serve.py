@@ -443,10 +443,16 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(server):
             {"type": "text", "text": "Hi"},
             {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]),
          "a content part of type 'input_audio' is not served: this server reads text parts"),
+        (dict(chat_template_kwargs={"tokenize": True}),
+         "chat_template_kwargs holds 'tokenize', which the server sets itself"),
+        (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs holds 'messages'"),
+        (dict(chat_template_kwargs={"documents": "x"}),
+         "the chat template cannot render this chat: Documents should be a list"),
     ],
     ids=["n-3", "logit-bias", "temperature-2.5", "zero-max-completion-tokens", "seed-2**64",
          "unknown-model", "required-tool-call", "audio-out", "functions", "web-search",
-         "top-logprobs-alone", "audio-part"],
+         "top-logprobs-alone", "audio-part", "template-tokenize", "template-messages",
+         "template-documents"],
 )
 def test_bad_chat_requests_get_400_saying_why(server, body, message):
     response = httpx.post(

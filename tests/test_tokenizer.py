@@ -4,6 +4,8 @@ request's stop tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 
 import pytest
 from max.pipelines.context import SamplingParams
@@ -44,6 +46,39 @@ def test_a_given_chat_template_wins_over_the_plain_one(checkpoints, max_models):
     given = GPT2TextTokenizer(str(folder), config, chat_template="<{{ messages[0].content }}>")
     assert plain.apply_chat_template(messages, None) == "User: Hi\nAssistant:"
     assert given.apply_chat_template(messages, None) == "<Hi>"
+
+
+ALTERNATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/...') }}"
+    "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+"""A template of the kind fine-tunes ship, refusing a conversation it was not made for."""
+
+
+@pytest.mark.tier("model")
+def test_a_chat_the_template_refuses_is_refused_with_its_reason(checkpoints, max_models, tmp_path):
+    """The checkpoint's own template (which MAX lets raise, answered 500), a
+    `--chat-template` (which MAX wraps in a ValueError), and a variable of the wrong
+    type (a `TypeError`, answered "Invalid JSON."): each an `InputError`, a 400 with
+    the reason, and the chat the template takes is rendered."""
+    folder = shutil.copytree(checkpoints("default", "hub"), tmp_path / "templated")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["chat_template"] = ALTERNATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    config = max_models(checkpoints("default", "hub")).pipeline_config
+    two_users = [TextGenerationRequestMessage(role="user", content=c) for c in ("Hi", "Bye")]
+    one_user = two_users[:1]
+    for tokenizer in (
+        GPT2TextTokenizer(str(folder), config),
+        GPT2TextTokenizer(str(checkpoints("default", "hub")), config, chat_template=ALTERNATE),
+    ):
+        assert tokenizer.apply_chat_template(one_user, None) == "user: Hi\n"
+        with pytest.raises(InputError, match="cannot render this chat: Conversation roles must"):
+            tokenizer.apply_chat_template(two_users, None)
+    plain = GPT2TextTokenizer(str(checkpoints("default", "hub")), config)
+    with pytest.raises(InputError, match="cannot render this chat: Documents should be a list"):
+        plain.apply_chat_template(one_user, None, documents="x")
 
 
 def request(**params) -> TextGenerationRequest:

@@ -6,7 +6,9 @@ first request without checking there is one (`"prompt": []`), and refuses a
 streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
 A body nested a thousand levels deep fails the routes' own JSON parsing (an uncaught
-`RecursionError`). An integer past int64 (a `seed`, `top_k`, a stop token id) passes
+`RecursionError`), and a chat's `chat_template_kwargs` naming an argument the tokenizer
+passes itself as it renders the chat (`RENDERING_ARGUMENTS`) fails that call, which the
+routes answer "Invalid JSON.". An integer past int64 (a `seed`, `top_k`, a stop token id) passes
 the routes' checks and fails later: as MAX's request queue serializes it, or in the
 model worker, whose exit stops the server. All four are the client's mistake, as is a
 number that is not finite (JSON's `NaN`, which Python's parser reads), which MAX's
@@ -81,6 +83,12 @@ UNSERVED = {
 """Fields MAX's routes accept and drop: why the answer would not be what was asked, and
 whether a value asks for more than the plain answer."""
 
+RENDERING_ARGUMENTS = frozenset(
+    {"prompt", "messages", "tools", "conversation", "chat_template", "tokenize"}
+)
+"""What the tokenizer passes itself as it renders a chat, beside `chat_template_kwargs`:
+the same name there fails the call (answered "Invalid JSON." by the routes)."""
+
 INTEGERS = (-(2**63), 2**63 - 1)
 """The integers a request may carry, int64's: past them a field passes the routes'
 checks and fails later, as MAX's request queue serializes it (answered 500) or, up to
@@ -97,7 +105,8 @@ def integers(value: Any) -> list[int]:
 
 def check(body: Any) -> None:
     """Raises `InputError` for a completions or chat body MAX's routes would answer 500
-    (no prompt, several streamed, an integer past `INTEGERS`), pass on to the sampler
+    (no prompt, several streamed, an integer past `INTEGERS`) or "Invalid JSON."
+    (`RENDERING_ARGUMENTS` in `chat_template_kwargs`), pass on to the sampler
     (a number that is not finite), or answer without a field it sets (`UNSERVED`,
     echoed text, `top_logprobs` without `logprobs`, a chat content part that is not
     text)."""
@@ -122,6 +131,9 @@ def check(body: Any) -> None:
             if isinstance(part, dict) and part.get("type") != "text":
                 raise InputError(f"a content part of type {reprlib.repr(part.get('type'))} "
                                  "is not served: this server reads text parts only.")
+    for key in set(getattr(body, "chat_template_kwargs", None) or ()) & RENDERING_ARGUMENTS:
+        raise InputError(f"chat_template_kwargs holds {key!r}, which the server sets itself "
+                         "as it renders the chat: give the template's own variables only.")
     if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
         raise InputError(
             "echo without logprobs is not served: this server echoes the prompt's "

@@ -102,6 +102,19 @@ def test_neutral_penalties_and_no_min_tokens_pass_any_server():
     request_bodies.check_settings(SimpleNamespace(messages=[]), sampling())
 
 
+@pytest.mark.parametrize("key", sorted(request_bodies.RENDERING_ARGUMENTS))
+def test_chat_template_kwargs_naming_what_the_renderer_sets_are_refused(key):
+    with pytest.raises(InputError, match=f"chat_template_kwargs holds '{key}', which the "):
+        request_bodies.check(SimpleNamespace(messages=[], stream=False,
+                                             chat_template_kwargs={key: True, "x": 1}))
+
+
+def test_a_templates_own_variables_pass():
+    for kwargs in (None, {}, {"add_generation_prompt": False, "documents": [], "x": 1}):
+        request_bodies.check(SimpleNamespace(messages=[], stream=False,
+                                             chat_template_kwargs=kwargs))
+
+
 def test_a_chat_body_without_a_prompt_is_checked_by_its_fields():
     request_bodies.check(SimpleNamespace(messages=[], n=1, stream=False))
     with pytest.raises(InputError, match="n=3"):
