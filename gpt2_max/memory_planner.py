@@ -20,10 +20,10 @@ its own pages, one for each of the model's: `extensions.memory_beside`) is left
 it: without the flag the cache gets the share of the remainder that leaves the
 room its fixed bytes and its bytes for each of the cache's pages.
 
-Where MAX's plain layers serve (a GPU), every weight is held in the graph's dtype,
-and a GGUF's packed blocks are dequantized at load (`layers.Layers.unpack`): several
-times the file's bytes, which are all MAX counts for the weights. The planner
-reserves the difference too (`unpacked_excess`).
+Where MAX's plain layers serve (a GPU, or `GPT2_MAX_LAYERS=plain` on the CPU), every
+weight is held in the graph's dtype, and a GGUF's packed blocks are dequantized at
+load (`layers.Layers.unpack`): several times the file's bytes, which are all MAX
+counts for the weights. The planner reserves the difference too (`unpacked_excess`).
 
 The planner's only say over the cache is the memory it reserves besides the
 weights (`estimate_activation_memory`); MAX gives the cache what remains of
@@ -35,6 +35,7 @@ share of it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from max.driver import load_devices
@@ -60,14 +61,17 @@ def cache_share(remainder: int, page_bytes: int, beside: Beside) -> int:
     return pages * page_bytes
 
 
-def unpacked_excess(config: Any, huggingface_config: Any, file_bytes: int) -> int:
-    """Bytes the weights of arch config `config` take beyond `file_bytes` where the
-    plain layers hold each in the graph's dtype (the head padded to `head_rows`)."""
+def unpacked_excess(
+    config: Any, huggingface_config: Any, file_bytes: Callable[[], int]
+) -> int:
+    """Bytes the weights of arch config `config` take beyond their files' (`file_bytes`,
+    asked only here) where the plain layers hold each in the graph's dtype (the head
+    padded to `head_rows`)."""
     if config.fast_layers:
         return 0
     values = sum(math.prod(shape) for shape in expected_shapes(huggingface_config).values())
     values += (config.head_rows - config.vocab_size) * config.hidden_size
-    return max(0, values * config.dtype.size_in_bytes - file_bytes)
+    return max(0, values * config.dtype.size_in_bytes - file_bytes())
 
 
 class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
@@ -80,7 +84,9 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
         config = planner_config(self)
         reserved = super().estimate_activation_memory(
             pipeline_config, huggingface_config
-        ) + unpacked_excess(config, huggingface_config, self.estimate_weights_size(pipeline_config))
+        ) + unpacked_excess(
+            config, huggingface_config, lambda: self.estimate_weights_size(pipeline_config)
+        )
         total_tokens = pipeline_config.runtime.max_batch_total_tokens
         kv_params = config.get_kv_params()
         beside = memory_beside(pipeline_config, huggingface_config, kv_params)

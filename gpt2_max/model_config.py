@@ -156,6 +156,12 @@ HEAD_ROW_MULTIPLE = 256
 sm90 GEMM (256 columns), so every output row is 16-byte aligned and no tile has a tail."""
 
 
+def serves_fast_layers(on_cpu: bool) -> bool:
+    """Whether the package's fast layers serve (`layers.layers_for`): on the CPU, unless
+    `GPT2_MAX_LAYERS=plain`; MAX's plain layers everywhere else."""
+    return on_cpu and settings().layers == "fast"
+
+
 @dataclass(kw_only=True)
 class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
     """Everything the GPT-2 graph is built from (MAX's arch config, not transformers')."""
@@ -190,9 +196,8 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
 
     @property
     def fast_layers(self) -> bool:
-        """Whether the package's fast layers serve (`layers.layers_for`): on the CPU,
-        unless `GPT2_MAX_LAYERS=plain`; MAX's plain layers everywhere else."""
-        return self.devices[0].is_cpu() and settings().layers == "fast"
+        """Whether the package's fast layers serve this config (`serves_fast_layers`)."""
+        return serves_fast_layers(self.devices[0].is_cpu())
 
     @property
     def head_rows(self) -> int:

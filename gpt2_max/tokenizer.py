@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 from max.pipelines.context import EOSTracker, TextContext
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.lib import PipelineConfig, TextTokenizer
@@ -197,5 +197,7 @@ class GPT2TextTokenizer(TextTokenizer):
         except (TemplateError, TypeError, ValueError) as error:
             # MAX wraps a `--chat-template`'s error in a ValueError of its own.
             reason = error.__cause__ or error
+            if isinstance(reason, TemplateSyntaxError):
+                raise  # the server's template is broken, whatever the chat: not a 400
             refused = ValueError(f"the chat template cannot render this chat: {reason}")
             raise refusal(refused) from error

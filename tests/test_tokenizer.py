@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+from jinja2 import TemplateSyntaxError
 from max.pipelines.context import SamplingParams
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.modeling.types import (
@@ -79,6 +80,11 @@ def test_a_chat_the_template_refuses_is_refused_with_its_reason(checkpoints, max
     plain = GPT2TextTokenizer(str(checkpoints("default", "hub")), config)
     with pytest.raises(InputError, match="cannot render this chat: Documents should be a list"):
         plain.apply_chat_template(one_user, None, documents="x")
+    # A template that cannot be read is the server's fault, whatever the chat: not a 400.
+    settings["chat_template"] = "{% for m in messages %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(TemplateSyntaxError):
+        GPT2TextTokenizer(str(folder), config).apply_chat_template(one_user, None)
 
 
 def request(**params) -> TextGenerationRequest:

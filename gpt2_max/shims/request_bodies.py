@@ -6,13 +6,14 @@ first request without checking there is one (`"prompt": []`), and refuses a
 streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
 A body nested a thousand levels deep fails the routes' own JSON parsing (an uncaught
-`RecursionError`), and a chat's `chat_template_kwargs` naming an argument the tokenizer
-passes itself as it renders the chat (`RENDERING_ARGUMENTS`) fails that call, which the
-routes answer "Invalid JSON.". An integer past int64 (a `seed`, `top_k`, a stop token id) passes
+`RecursionError`). An integer past int64 (a `seed`, `top_k`, a stop token id) passes
 the routes' checks and fails later: as MAX's request queue serializes it, or in the
 model worker, whose exit stops the server. All four are the client's mistake, as is a
 number that is not finite (JSON's `NaN`, which Python's parser reads), which MAX's
-range checks of `top_p` and `min_p` let through to the sampler.
+range checks of `top_p` and `min_p` let through to the sampler, and a chat's
+`chat_template_kwargs` naming an argument the tokenizer passes itself as it renders
+the chat (`RENDERING_ARGUMENTS`), which fails that call ("Invalid JSON.") or replaces
+the checkpoint's template with the client's.
 
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
 `best_of` ask for several choices and get one, `logit_bias` and `suffix` change
@@ -83,11 +84,13 @@ UNSERVED = {
 """Fields MAX's routes accept and drop: why the answer would not be what was asked, and
 whether a value asks for more than the plain answer."""
 
-RENDERING_ARGUMENTS = frozenset(
-    {"prompt", "messages", "tools", "conversation", "chat_template", "tokenize"}
-)
+RENDERING_ARGUMENTS = frozenset({
+    "self", "fn", "prompt", "messages", "tools",  # MAX's calls on the way to the renderer
+    "conversation", "conversations", "chat_template", "tokenize",  # transformers' renderer
+})
 """What the tokenizer passes itself as it renders a chat, beside `chat_template_kwargs`:
-the same name there fails the call (answered "Invalid JSON." by the routes)."""
+the same name there fails a call on the way (answered "Invalid JSON." by the routes),
+or, `chat_template` beside a checkpoint's own template, replaces it with the client's."""
 
 INTEGERS = (-(2**63), 2**63 - 1)
 """The integers a request may carry, int64's: past them a field passes the routes'

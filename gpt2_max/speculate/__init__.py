@@ -20,14 +20,16 @@ request arrives. What is here:
 - `pace.py`: how many tokens a round drafts, none where drafting does not pay;
 - `model.py`: the extension that runs a decode pass as rounds of drafting and checking.
 
-Off unless `GPT2_MAX_DRAFT` is set, and on an accelerator, where it has not been
-measured. Rows with top-k, top-p or min-p, or an end-of-text mask pending, decode
-without a draft.
+Off unless `GPT2_MAX_DRAFT` is set, on an accelerator, where it has not been
+measured, and under `GPT2_MAX_LAYERS=plain`, whose layers multiply no packed draft.
+Rows with top-k, top-p or min-p, or an end-of-text mask pending, decode without a
+draft.
 """
 
 from typing import Any
 
 from ..extensions import Beside
+from ..model_config import serves_fast_layers
 from ..settings import settings
 from .draft import memory as draft_memory
 from .model import Speculation
@@ -41,7 +43,9 @@ def extend(model: Any) -> Speculation | None:
 
 
 def memory(pipeline_config: Any, huggingface_config: Any, kv_params: Any) -> Beside | None:
-    """The draft's weights and pages, which the memory planner leaves it (on the CPU)."""
+    """The draft's weights and pages, which the memory planner leaves it (where the
+    CPU's fast layers serve, the only place it drafts)."""
     kind = settings().draft
     on_cpu = all(spec.device_type == "cpu" for spec in pipeline_config.model.device_specs)
-    return draft_memory(kind, huggingface_config, kv_params) if kind and on_cpu else None
+    drafts = kind and serves_fast_layers(on_cpu)
+    return draft_memory(kind, huggingface_config, kv_params) if drafts else None

@@ -33,8 +33,9 @@ from ..bursts.context import BurstContext, extra_steps
 from ..bursts.model import burst_budget_s, step_inputs
 from ..extensions import Extension
 from ..inputs import GPT2Inputs
+from ..model_config import serves_fast_layers
 from ..names import PACKAGE
-from ..settings import settings
+from ..settings import setting, settings
 from ..shims import internals
 from .accept import RowSampling
 from .draft import ENV, Draft
@@ -89,8 +90,10 @@ class Speculation(Extension):
 
     def load(self, model: Any, load: Callable[[], Any]) -> Any:
         compiled = load()
-        if not model.devices[0].is_host:
-            logger.warning(f"{PACKAGE}: {ENV} drafts on the CPU only; decoding without a draft")
+        if not serves_fast_layers(model.devices[0].is_host):
+            plain = setting("layers").variable
+            logger.warning(f"{PACKAGE}: {ENV} drafts on the CPU's fast layers only (not on a "
+                           f"GPU, nor with {plain}=plain); decoding without a draft")
             return compiled
         sampling = model.pipeline_config.sampling
         if (model.return_logits is not ReturnLogits.LAST_TOKEN or sampling.enable_penalties

@@ -198,15 +198,15 @@ def test_prepare_dequantizes_packed_blocks_in_the_graphs_dtype(tmp_path, caplog,
 
 @pytest.mark.tier("unit")
 def test_prepare_keeps_an_untied_heads_blocks_as_floats(tmp_path):
-    state, _ = packed_state(tmp_path, "q8_0")
-    head = state[HEAD_WEIGHT]
+    state, tensors = packed_state(tmp_path, "q8_0")
     config = max_config(
         devices=[DeviceRef.GPU()], dtype=DType.bfloat16, vocab_size=512, usable_vocab_size=512,
         hidden_size=256, num_layers=1, feed_forward_size=1024, tie_word_embeddings=False,
     )
-    prepared = Layers(config).prepare({HEAD_WEIGHT: head})
-    assert tuple(prepared[HEAD_WEIGHT].shape) == (512, 256)
-    assert prepared[HEAD_WEIGHT].dtype == DType.bfloat16
+    prepared = Layers(config).prepare({HEAD_WEIGHT: state[HEAD_WEIGHT]})  # the table's blocks
+    array, qtype = tensors["token_embd.weight"]
+    expected = torch.from_numpy(np.asarray(gguf.quants.dequantize(array, qtype)))
+    assert torch.equal(as_torch(prepared[HEAD_WEIGHT]), expected.to(torch.bfloat16))
 
 
 def test_plain_layers_serve_a_packed_gguf_as_its_dequantized_weights(

@@ -15,7 +15,7 @@ from max.dtype import DType
 from transformers import GPT2Config
 
 from gpt2_max.extensions import Beside, memory_beside
-from gpt2_max.settings import settings
+from gpt2_max.settings import setting, settings
 from gpt2_max.speculate.draft import (
     ENV,
     Draft,
@@ -153,6 +153,14 @@ def test_the_planner_leaves_the_room_its_draft_on_the_cpu_alone(draft_setting):
     draft_setting("q8_0")
     assert memory_beside(pipeline("cpu"), config, PAGE) == memory("q8_0", config, PAGE)
     assert memory_beside(pipeline("gpu"), config, PAGE) == Beside()
+
+
+def test_the_plain_layers_leave_no_room_for_a_draft(draft_setting, monkeypatch):
+    """`GPT2_MAX_LAYERS=plain` multiplies no packed draft, so none is built (the
+    extension says so at load) and the planner leaves it nothing."""
+    monkeypatch.setenv(setting("layers").variable, "plain")
+    draft_setting("q8_0")
+    assert memory_beside(pipeline("cpu"), GPT2Config(**TINY), PAGE) == Beside()
 
 
 def test_without_a_draft_the_planner_leaves_nothing_beside_the_cache(draft_setting):
