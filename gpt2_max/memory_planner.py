@@ -22,7 +22,7 @@ room its fixed bytes and its bytes for each of the cache's pages.
 
 Where MAX's plain layers serve (a GPU, or `GPT2_MAX_LAYERS=plain` on the CPU), every
 weight is held in the graph's dtype, and a GGUF's packed blocks are dequantized at
-load (`layers.Layers.unpack`): several times the file's bytes, which are all MAX
+load (`layers.Layers.prepare`): several times the file's bytes, which are all MAX
 counts for the weights. The planner reserves the difference too (`unpacked_excess`).
 
 The planner's only say over the cache is the memory it reserves besides the

@@ -29,8 +29,11 @@ import math
 from typing import Any
 
 import numpy as np
+from max.driver import Buffer
+from max.dtype import DType
 from max.experimental import nn
 from max.experimental.tensor import Tensor
+from max.graph import Shape
 from max.graph.weights import WeightData
 
 from ..model_config import GPT2ArchConfig
@@ -79,53 +82,58 @@ class Layers:
         parameter was built in, and records no cast for a local checkpoint whose
         encoding was given, so the cast follows each tensor's dtype, not MAX's
         record: a float32, float16 or bfloat16 tensor becomes `config.dtype`.
-        A GGUF's packed blocks are dequantized first (`unpack`).
+        A GGUF's packed blocks are dequantized first, one tensor at a time, so the
+        host holds one tensor's float32 beside the result, not the whole model's
+        (gpt2-xl's would be 6 GB). Only the CPU's fast layers multiply blocks: here
+        a quantized file loads as floats (several times its size: a log line says
+        how much) rather than not at all. A tied head's packed copy of the token
+        table (`gguf.adapter`) goes: the head multiplies the float table the
+        embedding gathers from. The head is padded last (`head_rows`), in the
+        graph's dtype.
         """
-        dtype = self.config.dtype
-        state_dict = self.unpack(state_dict)
-        if (head := self.config.head_weight) in state_dict:
-            state_dict = {**state_dict, head: pad_rows(state_dict[head], self.config.head_rows)}
-        return {
-            name: weight if weight.dtype == dtype else weight.astype(dtype)
-            for name, weight in state_dict.items()
-        }
-
-    def unpack(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """`state_dict` with its packed GGUF blocks dequantized, said in one log line.
-
-        Only the CPU's fast layers multiply blocks; here a quantized file loads as
-        floats (several times its size: the line says how much) rather than not at
-        all. A tied head's packed copy of the token table (`gguf.adapter`) goes: the
-        head multiplies the float table the embedding gathers from.
-        """
-        packed = {name: kind for name, weight in state_dict.items()
-                  if (kind := block_type(weight)) is not None}
-        if self.config.head_reads_wte and packed.pop(HEAD_WEIGHT, None):
+        config = self.config
+        if config.head_reads_wte and block_type(state_dict.get(HEAD_WEIGHT)):
             state_dict = {name: w for name, w in state_dict.items() if name != HEAD_WEIGHT}
-        if not packed:
-            return state_dict
-        blocks = sum(np.from_dlpack(state_dict[name].data).nbytes for name in packed)
-        state_dict = {
-            name: unpacked(weight) if name in packed else weight
-            for name, weight in state_dict.items()
-        }
-        held = sum(math.prod(int(d) for d in state_dict[name].shape) for name in packed)
-        logger.info(
-            f"{PACKAGE}: {len(packed)} packed GGUF tensor(s) "
-            f"({', '.join(sorted(set(packed.values())))}) dequantized to {self.config.dtype.name} "
-            f"at load, as MAX's plain layers multiply floats: {blocks / 2**20:.1f} MiB of "
-            f"blocks become {held * self.config.dtype.size_in_bytes / 2**20:.1f} MiB"
-        )
-        return state_dict
+        packed: dict[str, WeightData] = {}
+        prepared = {}
+        for name, weight in state_dict.items():
+            if block_type(weight) is not None:
+                packed[name] = weight
+                weight = unpacked(weight)
+            weight = weight.astype(config.dtype)
+            if name == config.head_weight:
+                weight = pad_rows(weight, config.head_rows)
+            prepared[name] = weight
+        if packed:
+            floats = config.dtype.size_in_bytes * sum(
+                math.prod(int(d) for d in prepared[name].shape) for name in packed
+            )
+            blocks = sum(np.from_dlpack(weight.data).nbytes for weight in packed.values())
+            logger.info(
+                f"{PACKAGE}: {len(packed)} packed GGUF tensor(s) "
+                f"({', '.join(sorted({block_type(w) for w in packed.values()}))}) dequantized "
+                f"to {config.dtype.name} at load, as MAX's plain layers multiply floats: "
+                f"{blocks / 2**20:.1f} MiB of blocks become {floats / 2**20:.1f} MiB"
+            )
+        return prepared
 
 
 def pad_rows(weight: WeightData, rows: int) -> WeightData:
-    """`weight` (`[n, ...]`, a float dtype numpy holds) with zero rows up to `rows`."""
+    """`weight` (`[n, ...]`, any float dtype) with zero rows up to `rows`.
+
+    Padded as raw bits of the dtype's width (numpy holds no bfloat16), since all
+    zero bits are 0.0 in every float format."""
     if int(weight.shape[0]) >= rows:
         return weight
-    table = np.from_dlpack(weight.data)
+    bits = UNSIGNED[weight.dtype.size_in_bytes]
+    table = Buffer.from_dlpack(weight.data).view(bits).to_numpy()
     padding = np.zeros((rows - table.shape[0], *table.shape[1:]), dtype=table.dtype)
-    return WeightData.from_numpy(np.concatenate([table, padding]), weight.name)
+    padded = Buffer.from_numpy(np.concatenate([table, padding])).view(weight.dtype)
+    return WeightData(padded, weight.name, weight.dtype, Shape(padded.shape))
+
+
+UNSIGNED = {1: DType.uint8, 2: DType.uint16, 4: DType.uint32, 8: DType.uint64}
+"""The unsigned integer of each width, to move a float tensor's values as bits."""
 
 
 def layers_for(config: GPT2ArchConfig) -> Layers:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import weakref
 
 import gguf
 import numpy as np
@@ -24,6 +25,7 @@ from max.graph.weights import WeightData, load_weights
 from max.pipelines import AutoModel
 from transformers import GPT2Config
 
+from gpt2_max import layers
 from gpt2_max.encodings import PACKED_TYPES
 from gpt2_max.gguf.adapter import convert_gguf_state_dict
 from gpt2_max.gguf.names import gguf_name
@@ -36,7 +38,7 @@ from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_pro
 from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tools.checkpoint import random_hub_state_dict
 from gpt2_max.tools.gguf_writer import gguf_tensors, write_tensors
-from gpt2_max.weights.plan import block_type
+from gpt2_max.weights.plan import block_type, unpacked
 from gpt2_max.weights.schema import HEAD_WEIGHT
 from tests.test_model_config import max_config
 
@@ -117,13 +119,7 @@ def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
         "f16": source.to(torch.float16),
         "bf16": source.to(torch.bfloat16),
     }
-    state = {
-        name: (
-            WeightData.from_numpy(t.numpy(), name) if t.dtype != torch.bfloat16
-            else WeightData.from_numpy(t.float().numpy(), name).astype(DType.bfloat16)
-        )
-        for name, t in tensors.items()
-    }
+    state = {name: weight_data(t, name) for name, t in tensors.items()}
     prepared = Layers(max_config(dtype=graph)).prepare(state)
     target = torch.bfloat16 if graph == DType.bfloat16 else torch.float32
     for name, tensor in tensors.items():
@@ -133,21 +129,35 @@ def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
 
 @pytest.mark.tier("unit")
 @pytest.mark.parametrize("tied", [True, False])
-def test_prepare_pads_the_head_with_zero_rows_off_the_cpu(tied):
+@pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("graph", [DType.bfloat16, DType.float32])
+def test_prepare_pads_the_head_with_zero_rows_off_the_cpu(tied, source, graph):
+    """Whatever dtype the checkpoint holds the head in: a bfloat16 safetensors file's
+    table, which numpy cannot read, is padded as well as a float32 one."""
     rng = np.random.default_rng(1)
     head = "wte.weight" if tied else "lm_head.weight"
-    table = rng.standard_normal((300, 8)).astype(np.float32)
-    state = {head: WeightData.from_numpy(table, head)}
-    settings = dict(vocab_size=300, tie_word_embeddings=tied, dtype=DType.bfloat16)
+    table = torch.from_numpy(rng.standard_normal((300, 8)).astype(np.float32)).to(source)
+    state = {head: weight_data(table, head)}
+    settings = dict(vocab_size=300, tie_word_embeddings=tied, dtype=graph)
     gpu = max_config(devices=[DeviceRef.GPU()], **settings)
     assert gpu.head_rows == 512 and gpu.head_weight == head
-    prepared = as_torch(Layers(gpu).prepare(state)[head]).float()
-    assert prepared.shape == (512, 8)
-    assert torch.equal(prepared[:300], torch.from_numpy(table).to(torch.bfloat16).float())
-    assert not prepared[300:].any()
+    prepared = Layers(gpu).prepare(state)[head]
+    assert prepared.dtype == graph
+    values = as_torch(prepared)
+    assert values.shape == (512, 8)
+    target = torch.bfloat16 if graph == DType.bfloat16 else torch.float32
+    assert torch.equal(values[:300], table.to(target))
+    assert not values[300:].any()
     cpu = max_config(**settings)
     assert cpu.head_rows == 300
     assert tuple(Layers(cpu).prepare(state)[head].shape) == (300, 8)
+
+
+def weight_data(tensor: torch.Tensor, name: str) -> WeightData:
+    """`tensor` as an adapter returns it, bfloat16 included."""
+    if tensor.dtype != torch.bfloat16:
+        return WeightData.from_numpy(tensor.numpy(), name)
+    return WeightData.from_numpy(tensor.float().numpy(), name).astype(DType.bfloat16)
 
 
 SMALL = GPT2Config(n_layer=1, n_embd=256, n_head=4, n_positions=8, vocab_size=512)
@@ -194,6 +204,29 @@ def test_prepare_dequantizes_packed_blocks_in_the_graphs_dtype(tmp_path, caplog,
     assert lines[0].startswith(
         f"{PACKAGE}: 4 packed GGUF tensor(s) ({kind}) dequantized to {graph.name} at load"
     )
+
+
+@pytest.mark.tier("unit")
+def test_prepare_holds_one_tensors_float32_at_a_time(tmp_path, monkeypatch):
+    """gpt2-xl's packed file as float32 all at once would be 6 GB beside its
+    bfloat16: each tensor's float32 is gone before the next is dequantized."""
+    state, _ = packed_state(tmp_path, "q8_0")
+    alive = []
+
+    def tracked(weight):
+        assert not [name for name, held in alive if held() is not None], alive
+        result = unpacked(weight)
+        alive.append((weight.name, weakref.ref(result.data)))
+        return result
+
+    monkeypatch.setattr(layers, "unpacked", tracked)
+    config = max_config(
+        devices=[DeviceRef.GPU()], dtype=DType.bfloat16, vocab_size=512, usable_vocab_size=512,
+        hidden_size=256, num_layers=1, feed_forward_size=1024,
+    )
+    prepared = Layers(config).prepare(state)
+    assert len(alive) == 4 and all(held() is None for _, held in alive)
+    assert all(weight.dtype == DType.bfloat16 for weight in prepared.values())
 
 
 @pytest.mark.tier("unit")
