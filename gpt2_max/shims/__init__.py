@@ -25,6 +25,10 @@ and why, so nothing else in the package imports a private MAX name:
   sends to the text worker and answers 500, gets 404; `seed` 0 and a chat's
   `top_logprobs` 0, which MAX reads as none, are kept, and a chat's alternatives
   are as many as it asked for.
+- `decisions`: MAX's scoring routes (`/v1/decisions`, `/v1/systemone`), which
+  answer 500 to `chat_template_kwargs` naming what their renderer passes itself, and
+  to a temperature so small the labels' softmax overflows: the first refused 400,
+  the second scored from the top label's log-probability down.
 - `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
   takes it and draws as if it were 0, applied in MAX's sampler graph before it.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
@@ -71,6 +75,7 @@ from pathlib import Path
 
 from ..names import PACKAGE
 from . import (
+    decisions,
     min_p,
     release,
     request_bodies,
@@ -89,6 +94,8 @@ CARRIED = (
     "400 naming the cause for an empty completions prompt, a dropped field, an integer "
     "past int64, a number not finite, a tool call no parser reads, a sampling value out "
     "of range or an unknown model",
+    "400 for chat_template_kwargs the decisions routes' renderer cannot take, and their "
+    "probabilities at any temperature",
     "min_p on the CPU",
     "named damaged weight files",
     "decode bursts",
@@ -119,6 +126,7 @@ def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], Non
         _warn_unchecked(release.max_version())
         return False
     request_bodies.install()
+    decisions.install()
     min_p.install()
     weight_files.install(tokenizer_type, check_weight_files)
     stop_strings.install(tokenizer_type)

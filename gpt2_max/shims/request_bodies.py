@@ -57,7 +57,7 @@ import dataclasses
 import functools
 import math
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -106,6 +106,13 @@ def integers(value: Any) -> list[int]:
     return [value] if isinstance(value, int) and not isinstance(value, bool) else []
 
 
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> None:
+    """Raises `InputError` for `chat_template_kwargs` naming a `RENDERING_ARGUMENTS`."""
+    for key in sorted(set(kwargs or ()) & RENDERING_ARGUMENTS):
+        raise InputError(f"chat_template_kwargs holds {key!r}, which the server sets itself "
+                         "as it renders the chat: give the template's own variables only.")
+
+
 def check(body: Any) -> None:
     """Raises `InputError` for a completions or chat body MAX's routes would answer 500
     (no prompt, several streamed, an integer past `INTEGERS`) or "Invalid JSON."
@@ -134,9 +141,7 @@ def check(body: Any) -> None:
             if isinstance(part, dict) and part.get("type") != "text":
                 raise InputError(f"a content part of type {reprlib.repr(part.get('type'))} "
                                  "is not served: this server reads text parts only.")
-    for key in set(getattr(body, "chat_template_kwargs", None) or ()) & RENDERING_ARGUMENTS:
-        raise InputError(f"chat_template_kwargs holds {key!r}, which the server sets itself "
-                         "as it renders the chat: give the template's own variables only.")
+    check_template_kwargs(getattr(body, "chat_template_kwargs", None))
     if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
         raise InputError(
             "echo without logprobs is not served: this server echoes the prompt's "
