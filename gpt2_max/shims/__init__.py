@@ -32,7 +32,9 @@ and why, so nothing else in the package imports a private MAX name:
 - `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
   takes it and draws as if it were 0, applied in MAX's sampler graph before it.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
-  header and refuses the checkpoint without naming the file.
+  header and refuses the checkpoint without naming the file; a folder saved in
+  float16 or bfloat16, in which MAX finds no weights for a float32 graph, given
+  its files by name.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
@@ -97,7 +99,7 @@ CARRIED = (
     "400 for chat_template_kwargs the decisions routes' renderer cannot take, and their "
     "probabilities at any temperature",
     "min_p on the CPU",
-    "named damaged weight files",
+    "named damaged weight files, checkpoint folders saved in float16 or bfloat16",
     "decode bursts",
     "the CPU's sampler of plain rows",
     "fast-forward tokens",

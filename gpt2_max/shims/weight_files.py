@@ -14,6 +14,17 @@ check to that check, before MAX's own resolution reads them. Other models, and
 checkpoints on the hub (which MAX reads through the hub's metadata), are left to
 MAX.
 
+The same step finds no weights in a local folder saved in float16 or bfloat16 for
+the graph the device gets (float32 on the CPU, which has no bfloat16; or asked for
+with `--quantization-encoding float32`): MAX looks for files of the graph's encoding
+and falls back only from float32 files to a half-precision graph, not the other way,
+and refuses the folder with the same unnamed "compatible weights cannot be found";
+on a GPU it reads a float16 folder as the `float16` encoding, which the architecture
+does not declare. The architecture's adapters cast each tensor from its own dtype
+(`weights.safetensors`, `layers.Layers.prepare`), so such a folder needs only its
+files named: given no `--weight-path`, its safetensors files are named for it
+(`half_float_files`), and the graph is the device's default or the one asked for.
+
 Installed by `shims.install`.
 """
 
@@ -23,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from max.graph.weights import WeightsFormat
 from max.pipelines.lib.config.config import PipelineConfig
 
 _CHECKS: dict[type, Callable[[list[Path]], None]] = {}
@@ -41,9 +53,28 @@ def local_weight_files(model: Any) -> list[Path]:
     return [folder / name for names in repo.weight_files.values() for name in names]
 
 
+HALF_FLOATS = frozenset({"float16", "bfloat16"})
+"""The encodings MAX reads from a safetensors file saved in half precision."""
+
+
+def half_float_files(model: Any) -> list[str]:
+    """The safetensors files of `model`'s local checkpoint folder when it names none
+    (`--weight-path`) and every file is safetensors saved in float16 or bfloat16;
+    else none."""
+    repo = model.huggingface_weight_repo
+    if model.weight_path or repo.repo_type != "local":
+        return []
+    files = repo.weight_files
+    if set(files) != {WeightsFormat.safetensors}:
+        return []
+    encodings = set(repo.supported_encodings)
+    return list(files[WeightsFormat.safetensors]) if encodings and encodings <= HALF_FLOATS else []
+
+
 def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
     """Runs `check` (which raises naming what is wrong) on the local weight files of
-    `tokenizer_type`'s models before MAX resolves them (patched once)."""
+    `tokenizer_type`'s models before MAX resolves them, and names a half-precision
+    folder's files (`half_float_files`) for it (patched once)."""
     _CHECKS[tokenizer_type] = check
     original = PipelineConfig._model_with_resolved_weights
     if getattr(original, "checks_weight_files", False):
@@ -52,6 +83,8 @@ def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
     def resolved(model: Any, arch: Any) -> Any:
         if (check := _CHECKS.get(arch.tokenizer)) is not None:
             check(local_weight_files(model))
+            if named := half_float_files(model):
+                model = model.model_copy(update={"weight_path": [Path(n) for n in named]})
         return original(model, arch)
 
     resolved.checks_weight_files = True  # type: ignore[attr-defined]

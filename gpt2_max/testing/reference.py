@@ -17,6 +17,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import safetensors.torch
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -58,9 +59,20 @@ def write_tiny_checkpoint(
     return save_hub_checkpoint(folder, config, random_state_dict(config, seed, std))
 
 
+def saved_in(folder: Path, dtype: torch.dtype) -> Path:
+    """`folder`'s checkpoint with every safetensors tensor saved again in `dtype`, as
+    a checkpoint saved in half precision holds them."""
+    for path in folder.glob("*.safetensors"):
+        state = safetensors.torch.load_file(path)
+        safetensors.torch.save_file({name: t.to(dtype) for name, t in state.items()}, path,
+                                    metadata={"format": "pt"})
+    return folder
+
+
 def load_reference(folder: Path) -> GPT2LMHeadModel:
-    """transformers' own reading of the checkpoint in `folder`."""
-    return GPT2LMHeadModel.from_pretrained(folder).eval()
+    """transformers' own reading of the checkpoint in `folder`, in float32 whatever
+    the files hold (transformers would keep a half-precision checkpoint's dtype)."""
+    return GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def save_transformers_layout(model: GPT2LMHeadModel, folder: Path, shard: bool = False) -> Path:

@@ -19,11 +19,14 @@ from transformers import GPT2LMHeadModel
 
 from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import (
+    TINY_HEAD64,
     hf_on_gguf_weights,
     load_reference,
     random_prompt,
     random_state_dict,
     save_gguf,
+    saved_in,
+    write_tiny_checkpoint,
 )
 from gpt2_max.tools.checkpoint import preset_config, save_hub_checkpoint
 
@@ -155,5 +158,27 @@ def test_a_quantized_gguf_on_a_gpu_loads_its_blocks_dequantized(
         assert model.pipeline_config.model.quantization_encoding == "bfloat16"
         assert all(spec.device_type == "gpu" for spec in model.pipeline_config.model.device_specs)
         compare(model, hf_on_gguf_weights(gpu_reference, path), "bfloat16", record_property)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_checkpoint_on_a_gpu_matches_transformers(
+    dtype, tmp_path, record_property
+):
+    """A folder saved in float16 (whose encoding MAX read from the files and the
+    architecture does not declare) or bfloat16 (whose LM head the padding read through
+    numpy, which holds no bfloat16), served as typed: bfloat16, as close to
+    transformers on the same weights as a float32 checkpoint is."""
+    folder = saved_in(
+        write_tiny_checkpoint(tmp_path, seed=3, std=GPU_STD, **TINY_HEAD64), dtype
+    )
+    model = AutoModel(
+        str(folder), devices="gpu", max_batch_size=4, custom_architectures=[PACKAGE],
+        **IN_PROCESS,
+    )
+    try:
+        assert model.pipeline_config.model.quantization_encoding == "bfloat16"
+        compare(model, load_reference(folder), "bfloat16", record_property)
     finally:
         model.close()

@@ -1,12 +1,23 @@
-"""`weight_files`: the package's check of local weight files runs before MAX reads them."""
+"""`weight_files`: the package's check of local weight files runs before MAX reads them, and
+a checkpoint folder saved in half precision gets its files named for MAX to find."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
+from max.pipelines import AutoModel
 from max.pipelines.lib.config.config import PipelineConfig
+from max.pipelines.weights.hf_utils import HuggingFaceRepo
+from safetensors.torch import load_file, save_file
 
 from gpt2_max.shims import weight_files
-from gpt2_max.testing.reference import write_tiny_checkpoint
+from gpt2_max.testing.reference import (
+    hf_greedy,
+    load_reference,
+    random_prompt,
+    saved_in,
+    write_tiny_checkpoint,
+)
 from gpt2_max.tokenizer import GPT2TextTokenizer
 from gpt2_max.weights.files import IncompleteCheckpointError
 from gpt2_max.weights.formats import check_complete
@@ -40,3 +51,45 @@ def test_a_damaged_file_of_this_architecture_is_named_before_maxs_resolution(tmp
         resolve(model_of(folder), ours)
     weight_files.install(GPT2TextTokenizer, check_complete)
     assert PipelineConfig._model_with_resolved_weights is resolve
+
+
+
+def half(folder, dtype: str):
+    return saved_in(write_tiny_checkpoint(folder), getattr(torch, dtype))
+
+
+def named(folder, weight_path=()):
+    model = SimpleNamespace(huggingface_weight_repo=HuggingFaceRepo(str(folder)),
+                            weight_path=list(weight_path))
+    return weight_files.half_float_files(model)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_folder_gets_its_files_named(tmp_path, dtype):
+    """MAX 26.7 finds no files for a float32 graph in it, and refuses the folder."""
+    folder = half(tmp_path / "half", dtype)
+    assert named(folder) == ["model.safetensors"]
+    assert named(folder, ["model.safetensors"]) == []  # named already
+    mixed = half(tmp_path / "mixed", dtype)
+    state = load_file(mixed / "model.safetensors")
+    save_file({**state, "wpe.weight": state["wpe.weight"].float()}, mixed / "model.safetensors")
+    assert named(mixed) == []  # MAX finds the float32 tensor's file
+    assert named(write_tiny_checkpoint(tmp_path / "float32")) == []
+
+
+@pytest.mark.tier("model")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_folder_loads_on_the_cpu_as_transformers_reads_it(tmp_path, dtype):
+    """As typed, no `--weight-path`: before, MAX refused it ("compatible weights cannot
+    be found for 'float32'")."""
+    folder = half(tmp_path, dtype)
+    model = AutoModel(str(folder), max_batch_size=2, devices="cpu",
+                      custom_architectures=["gpt2_max"])
+    try:
+        assert model.pipeline_config.model.quantization_encoding == "float32"
+        prompt = random_prompt(24, seed=41)
+        result = model.generate([prompt], max_new_tokens=8, top_k=1, ignore_eos=True)
+        expected = hf_greedy(load_reference(folder), prompt, 8)[0]
+        assert list(result.sequences[0][len(prompt):]) == expected
+    finally:
+        model.close()
