@@ -20,10 +20,12 @@ its own pages, one for each of the model's: `extensions.memory_beside`) is left
 it: without the flag the cache gets the share of the remainder that leaves the
 room its fixed bytes and its bytes for each of the cache's pages.
 
+MAX counts the weights' files' bytes for the weights, and some are held in more.
 Where MAX's plain layers serve (a GPU, or `GPT2_MAX_LAYERS=plain` on the CPU), every
 weight is held in the graph's dtype, and a GGUF's packed blocks are dequantized at
-load (`layers.Layers.prepare`): several times the file's bytes, which are all MAX
-counts for the weights. The planner reserves the difference too (`unpacked_excess`).
+load (`layers.Layers.prepare`): several times the file's bytes. The CPU's fast
+layers hold a safetensors checkpoint in float32, twice the bytes of one saved in
+half precision. The planner reserves the difference too (`held_excess`).
 
 The planner's only say over the cache is the memory it reserves besides the
 weights (`estimate_activation_memory`); MAX gives the cache what remains of
@@ -35,15 +37,17 @@ share of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from max.driver import load_devices
+from max.dtype import DType
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 
 from .extensions import Beside, memory_beside
 from .shims.internals import free_memory, planner_config
-from .weights.schema import expected_shapes
+from .weights.formats import held_in_float32
+from .weights.schema import parameter_count
 
 
 def kv_cache_budget_bytes(kv_params: Any, total_tokens: int) -> int:
@@ -61,17 +65,24 @@ def cache_share(remainder: int, page_bytes: int, beside: Beside) -> int:
     return pages * page_bytes
 
 
-def unpacked_excess(
-    config: Any, huggingface_config: Any, file_bytes: Callable[[], int]
+def held_excess(
+    config: Any, huggingface_config: Any, weight_paths: Sequence[Any],
+    file_bytes: Callable[[], int],
 ) -> int:
     """Bytes the weights of arch config `config` take beyond their files' (`file_bytes`,
-    asked only here) where the plain layers hold each in the graph's dtype (the head
-    padded to `head_rows`)."""
-    if config.fast_layers:
+    asked only here): where the plain layers hold each in the graph's dtype (the head
+    padded to `head_rows`), and where the fast layers read files (`weight_paths`)
+    whose adapter widens every tensor to float32 (safetensors). The fast layers hold
+    a GGUF's tensors as the file does (blocks packed, F16 in float16), but for a
+    packed token table's float32 copy for the gather, which is not counted."""
+    if not config.fast_layers:
+        itemsize, padding = config.dtype.size_in_bytes, config.head_rows - config.vocab_size
+    elif held_in_float32(weight_paths):
+        itemsize, padding = DType.float32.size_in_bytes, 0
+    else:
         return 0
-    values = sum(math.prod(shape) for shape in expected_shapes(huggingface_config).values())
-    values += (config.head_rows - config.vocab_size) * config.hidden_size
-    return max(0, values * config.dtype.size_in_bytes - file_bytes())
+    values = parameter_count(huggingface_config) + padding * config.hidden_size
+    return max(0, values * itemsize - file_bytes())
 
 
 class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
@@ -84,8 +95,9 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
         config = planner_config(self)
         reserved = super().estimate_activation_memory(
             pipeline_config, huggingface_config
-        ) + unpacked_excess(
-            config, huggingface_config, lambda: self.estimate_weights_size(pipeline_config)
+        ) + held_excess(
+            config, huggingface_config, pipeline_config.model.weight_path,
+            lambda: self.estimate_weights_size(pipeline_config),
         )
         total_tokens = pipeline_config.runtime.max_batch_total_tokens
         kv_params = config.get_kv_params()

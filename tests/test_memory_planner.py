@@ -10,7 +10,7 @@ from transformers import GPT2Config
 
 from gpt2_max.extensions import Beside
 from gpt2_max.layers import LAYERS_ENV
-from gpt2_max.memory_planner import cache_share, unpacked_excess
+from gpt2_max.memory_planner import cache_share, held_excess
 from gpt2_max.settings import settings as package_settings
 from tests.test_model_config import max_config
 
@@ -50,10 +50,25 @@ def test_plain_layers_reserve_what_their_weights_take_beyond_the_files(monkeypat
     gpu = max_config(devices=[DeviceRef.GPU()], dtype=DType.bfloat16, **shape)
     held = (gpt2_values(hf) + (gpu.head_rows - 300) * 64) * 2  # the padded head's rows
     assert gpu.head_rows == 512
-    assert unpacked_excess(gpu, hf, lambda: 1000) == held - 1000  # a GGUF's blocks, dequantized
-    assert unpacked_excess(gpu, hf, lambda: 10**9) == 0  # a float32 file cast down
+    gguf = ["m-q4_k_m.gguf"]
+    assert held_excess(gpu, hf, gguf, lambda: 1000) == held - 1000  # blocks, dequantized
+    assert held_excess(gpu, hf, ST, lambda: 10**9) == 0  # a float32 file cast down
     cpu = max_config(**shape)
-    assert unpacked_excess(cpu, hf, unasked) == 0  # the fast layers hold blocks packed
+    assert held_excess(cpu, hf, gguf, unasked) == 0  # the fast layers hold blocks packed
     monkeypatch.setenv(LAYERS_ENV, "plain")
     package_settings.cache_clear()
-    assert unpacked_excess(cpu, hf, lambda: 1000) == gpt2_values(hf) * 4 - 1000
+    assert held_excess(cpu, hf, gguf, lambda: 1000) == gpt2_values(hf) * 4 - 1000
+
+
+ST = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+def test_the_fast_layers_reserve_a_half_precision_safetensors_widened():
+    """The safetensors adapter widens every tensor to float32: a checkpoint saved in
+    float16 or bfloat16 takes twice its files' bytes on the CPU."""
+    hf = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=300)
+    cpu = max_config(vocab_size=300, usable_vocab_size=300, hidden_size=64)
+    half = gpt2_values(hf) * 2
+    assert held_excess(cpu, hf, ST, lambda: half) == half
+    assert held_excess(cpu, hf, ST, lambda: gpt2_values(hf) * 4) == 0  # saved in float32
+    assert held_excess(cpu, hf, [*ST, "m.gguf"], unasked) == 0

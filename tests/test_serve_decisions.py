@@ -74,7 +74,8 @@ def test_a_temperature_too_small_to_divide_by_gives_the_top_label_everything(ser
 @pytest.mark.parametrize("key", ["tools", "self", "messages", "tokenize"])
 @pytest.mark.parametrize("route", ["decisions", "systemone"])
 def test_template_kwargs_the_renderer_sets_itself_get_400(server, route, key):
-    """They failed the renderer's call with a TypeError, answered 500."""
+    """`tools`, `self` and `messages` failed the renderer's call with a TypeError,
+    answered 500; `tokenize` got 400 with transformers' words for it."""
     body = (
         {"input": "x", "questions": QUESTIONS} if route == "decisions" else
         {"model": MODEL_NAME, "state": "x",

@@ -88,26 +88,26 @@ class Layers:
         a quantized file loads as floats (several times its size: a log line says
         how much) rather than not at all. A tied head's packed copy of the token
         table (`gguf.adapter`) goes: the head multiplies the float table the
-        embedding gathers from. The head is padded last (`head_rows`), in the
-        graph's dtype.
+        embedding gathers from. The head is padded last (`head_rows`), so the
+        padding copies the graph's dtype, not float32.
         """
         config = self.config
         if config.head_reads_wte and block_type(state_dict.get(HEAD_WEIGHT)):
             state_dict = {name: w for name, w in state_dict.items() if name != HEAD_WEIGHT}
         packed: dict[str, WeightData] = {}
+        floats = 0
         prepared = {}
         for name, weight in state_dict.items():
             if block_type(weight) is not None:
                 packed[name] = weight
                 weight = unpacked(weight)
             weight = weight.astype(config.dtype)
+            if name in packed:  # its floats as dequantized, before any padding
+                floats += math.prod(int(d) for d in weight.shape) * config.dtype.size_in_bytes
             if name == config.head_weight:
                 weight = pad_rows(weight, config.head_rows)
             prepared[name] = weight
         if packed:
-            floats = config.dtype.size_in_bytes * sum(
-                math.prod(int(d) for d in prepared[name].shape) for name in packed
-            )
             blocks = sum(np.from_dlpack(weight.data).nbytes for weight in packed.values())
             logger.info(
                 f"{PACKAGE}: {len(packed)} packed GGUF tensor(s) "
@@ -121,8 +121,8 @@ class Layers:
 def pad_rows(weight: WeightData, rows: int) -> WeightData:
     """`weight` (`[n, ...]`, any float dtype) with zero rows up to `rows`.
 
-    Padded as raw bits of the dtype's width (numpy holds no bfloat16), since all
-    zero bits are 0.0 in every float format."""
+    Padded as raw bits of the dtype's width, since numpy holds no bfloat16 (a GPU
+    graph's dtype) and all zero bits are 0.0 in every float format."""
     if int(weight.shape[0]) >= rows:
         return weight
     bits = UNSIGNED[weight.dtype.size_in_bytes]

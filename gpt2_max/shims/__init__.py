@@ -27,8 +27,8 @@ and why, so nothing else in the package imports a private MAX name:
   are as many as it asked for.
 - `decisions`: MAX's scoring routes (`/v1/decisions`, `/v1/systemone`), which
   answer 500 to `chat_template_kwargs` naming what their renderer passes itself, and
-  to a temperature so small the labels' softmax overflows: the first refused 400,
-  the second scored from the top label's log-probability down.
+  `/v1/decisions` to a temperature so small the labels' softmax overflows: the first
+  refused 400, the second scored from the top label's log-probability down.
 - `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
   takes it and draws as if it were 0, applied in MAX's sampler graph before it.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its

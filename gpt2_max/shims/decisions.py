@@ -1,5 +1,5 @@
 """MAX 26.7's scoring routes, `/v1/decisions` and `/v1/systemone`, which answer 500
-to two requests that are the client's to fix.
+to requests that are the client's to fix.
 
 Both routes, on by default in `max serve`, render each question with the chat
 template, score its answer labels in one prefill step of the text pipeline (which
@@ -10,14 +10,14 @@ option probabilities. Two requests their schema lets through end in a 500:
   `messages`, `self`, ...: `request_bodies.RENDERING_ARGUMENTS`) fails that call
   with a `TypeError`. `ChatFormat.encode` is wrapped to refuse it first with
   `InputError`, which the routes answer 400, in the words a chat body gets.
-- A `temperature` the schema allows (any positive number) so small that a label's
-  log-probability divided by it overflows (5e-324) makes every scaled value -inf,
-  and the softmax's `-inf - -inf` NaN, which the routes count a server fault. A
-  softmax is the same whatever is added to all its inputs, so the formats'
-  `option_probabilities` is given the log-probabilities less their largest: MAX's
-  function then divides 0 for the top label, which gets all the probability at such
-  a temperature, the limit smaller temperatures approach; at any other temperature
-  the values are MAX's.
+- A `temperature` the `/v1/decisions` schema allows (any positive number) so small
+  that a label's log-probability divided by it overflows (5e-324) makes every scaled
+  value -inf, and the softmax's `-inf - -inf` NaN, which the route counts a server
+  fault. A softmax is the same whatever is added to all its inputs, so where MAX's
+  `option_probabilities` is not finite it is taken again from the log-probabilities
+  less their largest: the top label's is then 0 at any temperature, and a
+  temperature that small gives it all the probability, the limit smaller
+  temperatures approach. Every answer MAX gave stays as it was, bit for bit.
 
 Installed by `shims.install` in the API process, where the routes run.
 """
@@ -25,6 +25,7 @@ Installed by `shims.install` in the API process, where the routes run.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,15 +33,18 @@ from .request_bodies import check_template_kwargs
 
 
 def from_the_top(softmax: Callable[..., list[float]]) -> Callable[..., list[float]]:
-    """`softmax` (MAX's `option_probabilities`) of the log-probabilities less their
-    largest, which no temperature overflows."""
+    """`softmax` (MAX's `option_probabilities`), or where it is not finite, the same of
+    the log-probabilities less their largest, which no temperature overflows."""
     @functools.wraps(softmax)
-    def shifted(label_log_probabilities: Sequence[float], temperature: float) -> list[float]:
-        top = max(label_log_probabilities, default=0.0)
+    def finite(label_log_probabilities: Sequence[float], temperature: float) -> list[float]:
+        probabilities = softmax(label_log_probabilities, temperature)
+        if all(math.isfinite(p) for p in probabilities):
+            return probabilities
+        top = max(label_log_probabilities)
         return softmax([value - top for value in label_log_probabilities], temperature)
 
-    shifted.from_the_top = True  # type: ignore[attr-defined]
-    return shifted
+    finite.from_the_top = True  # type: ignore[attr-defined]
+    return finite
 
 
 def checks_template_kwargs(encode: Callable[..., Any]) -> Callable[..., Any]:

@@ -15,15 +15,14 @@ checkpoints on the hub (which MAX reads through the hub's metadata), are left to
 MAX.
 
 The same step finds no weights in a local folder saved in float16 or bfloat16 for
-the graph the device gets (float32 on the CPU, which has no bfloat16; or asked for
-with `--quantization-encoding float32`): MAX looks for files of the graph's encoding
-and falls back only from float32 files to a half-precision graph, not the other way,
-and refuses the folder with the same unnamed "compatible weights cannot be found";
-on a GPU it reads a float16 folder as the `float16` encoding, which the architecture
-does not declare. The architecture's adapters cast each tensor from its own dtype
-(`weights.safetensors`, `layers.Layers.prepare`), so such a folder needs only its
-files named: given no `--weight-path`, its safetensors files are named for it
-(`half_float_files`), and the graph is the device's default or the one asked for.
+the CPU's float32 graph: given no `--weight-path` and no `--quantization-encoding`,
+MAX looks for files of the graph's encoding, falls back only from float32 files to a
+half-precision graph, and refuses the folder with the same unnamed "compatible
+weights cannot be found"; on a GPU it reads a float16 folder's files as the
+`float16` encoding, which the architecture does not declare. The safetensors adapter
+widens each tensor to float32 whatever it was saved in, so such a folder needs only
+its files named (`half_float_files`), by their full paths: MAX reads no encoding in
+such a name, so the graph is the device's default or the one asked for.
 
 Installed by `shims.install`.
 """
@@ -36,6 +35,8 @@ from typing import Any
 
 from max.graph.weights import WeightsFormat
 from max.pipelines.lib.config.config import PipelineConfig
+
+from ..encodings import HALF_PRECISION
 
 _CHECKS: dict[type, Callable[[list[Path]], None]] = {}
 """Per tokenizer type of an architecture, the check its weight files get here."""
@@ -53,14 +54,10 @@ def local_weight_files(model: Any) -> list[Path]:
     return [folder / name for names in repo.weight_files.values() for name in names]
 
 
-HALF_FLOATS = frozenset({"float16", "bfloat16"})
-"""The encodings MAX reads from a safetensors file saved in half precision."""
-
-
-def half_float_files(model: Any) -> list[str]:
-    """The safetensors files of `model`'s local checkpoint folder when it names none
-    (`--weight-path`) and every file is safetensors saved in float16 or bfloat16;
-    else none."""
+def half_float_files(model: Any) -> list[Path]:
+    """The safetensors files of `model`'s local checkpoint folder, by full path, when it
+    names none (`--weight-path`) and every weight file is safetensors saved in float16
+    or bfloat16 (`encodings.HALF_PRECISION`); else none."""
     repo = model.huggingface_weight_repo
     if model.weight_path or repo.repo_type != "local":
         return []
@@ -68,7 +65,9 @@ def half_float_files(model: Any) -> list[str]:
     if set(files) != {WeightsFormat.safetensors}:
         return []
     encodings = set(repo.supported_encodings)
-    return list(files[WeightsFormat.safetensors]) if encodings and encodings <= HALF_FLOATS else []
+    if not encodings or not encodings <= HALF_PRECISION:
+        return []
+    return [Path(repo.local_path) / name for name in files[WeightsFormat.safetensors]]
 
 
 def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
@@ -84,7 +83,7 @@ def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
         if (check := _CHECKS.get(arch.tokenizer)) is not None:
             check(local_weight_files(model))
             if named := half_float_files(model):
-                model = model.model_copy(update={"weight_path": [Path(n) for n in named]})
+                model = model.model_copy(update={"weight_path": named})
         return original(model, arch)
 
     resolved.checks_weight_files = True  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ import numpy as np
 import psutil
 from max import tree
 from max.driver import Buffer
+from max.dtype import DType
 from max.experimental import functional as F
 from max.experimental.tensor import default_dtype
 from max.graph.weights import WeightData, Weights, load_weights, weights_format
@@ -50,10 +51,10 @@ from ..inputs import GPT2Inputs
 from ..model_config import GPT2ArchConfig, shape_fields, validate_huggingface_config
 from ..names import PACKAGE
 from ..settings import setting
-from ..weights.formats import formats, release
+from ..weights.formats import formats, held_in_float32, release
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import block_type, packed_weight
-from ..weights.schema import is_projection_weight, ties_word_embeddings
+from ..weights.schema import is_projection_weight, parameter_count, ties_word_embeddings
 
 logger = logging.getLogger("max.pipelines")
 
@@ -155,6 +156,8 @@ def memory(source: str, model_config: Any, kv_params: Any) -> Beside:
         files = checkpoint_files(Path(source))
         config = checkpoint_config(Path(source), files)
         fixed = sum(file.stat().st_size for file in files)
+        if held_in_float32(files):  # a half-precision checkpoint takes twice its files
+            fixed = max(fixed, parameter_count(config) * DType.float32.size_in_bytes)
     # A page holds keys and values of every layer, `width` each a token.
     per_page = (kv_params.bytes_per_block * config.n_layer * config.n_embd
                 // (model_config.n_layer * model_config.n_embd))

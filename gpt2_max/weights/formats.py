@@ -43,6 +43,9 @@ class WeightFormat:
     """The `Weights` MAX opens the format's files as."""
     release: Callable[[Any], None]
     """Lets the file's mapping go, given those `Weights`."""
+    float32: bool = False
+    """Whether the adapter hands every tensor over in float32 whatever the file holds
+    (safetensors: a checkpoint saved in half precision takes twice its files' bytes)."""
 
 
 SAFETENSORS = WeightFormat(
@@ -52,12 +55,22 @@ SAFETENSORS = WeightFormat(
     check=check_safetensors,
     weights=SafetensorWeights,
     release=SafetensorWeights.close,
+    float32=True,
 )
 
 
 def formats() -> tuple[WeightFormat, ...]:
     """Safetensors, then the formats the package's rooms add."""
     return (SAFETENSORS, *extensions.weight_formats())
+
+
+def held_in_float32(paths: Iterable[Any]) -> bool:
+    """Whether the adapters hand every tensor of these weight files over in float32."""
+    known = {format.suffix: format for format in formats()}
+    suffixes = {Path(path).suffix for path in paths}
+    return bool(suffixes) and all(
+        suffix in known and known[suffix].float32 for suffix in suffixes
+    )
 
 
 def check_complete(paths: Iterable[Path]) -> None:

@@ -11,6 +11,7 @@ naming the tensor.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -57,6 +58,11 @@ def block_index(name: str) -> int | None:
 def hub_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """How a hub checkpoint stores parameter `name` of `shape` (`Conv1D`: transposed)."""
     return shape[::-1] if is_projection_weight(name) else shape
+
+
+def parameter_count(hf_config: Any) -> int:
+    """How many values GPT-2's parameters hold (`expected_shapes`)."""
+    return sum(math.prod(shape) for shape in expected_shapes(hf_config).values())
 
 
 def expected_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:

@@ -166,10 +166,9 @@ def test_a_quantized_gguf_on_a_gpu_loads_its_blocks_dequantized(
 def test_a_half_precision_checkpoint_on_a_gpu_matches_transformers(
     dtype, tmp_path, record_property
 ):
-    """A folder saved in float16 (whose encoding MAX read from the files and the
-    architecture does not declare) or bfloat16 (whose LM head the padding read through
-    numpy, which holds no bfloat16), served as typed: bfloat16, as close to
-    transformers on the same weights as a float32 checkpoint is."""
+    """A folder saved in float16 (whose files MAX read as an encoding the architecture
+    does not declare) or bfloat16, loaded as typed: bfloat16, as close to transformers
+    on the same weights as a float32 checkpoint is."""
     folder = saved_in(
         write_tiny_checkpoint(tmp_path, seed=3, std=GPU_STD, **TINY_HEAD64), dtype
     )

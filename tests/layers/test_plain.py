@@ -132,8 +132,8 @@ def test_prepare_casts_each_float_tensor_from_its_own_dtype(graph):
 @pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("graph", [DType.bfloat16, DType.float32])
 def test_prepare_pads_the_head_with_zero_rows_off_the_cpu(tied, source, graph):
-    """Whatever dtype the checkpoint holds the head in: a bfloat16 safetensors file's
-    table, which numpy cannot read, is padded as well as a float32 one."""
+    """Padded after its cast, in the graph's dtype (bfloat16, which numpy cannot
+    hold, on a GPU), whatever dtype the adapter hands it over in."""
     rng = np.random.default_rng(1)
     head = "wte.weight" if tied else "lm_head.weight"
     table = torch.from_numpy(rng.standard_normal((300, 8)).astype(np.float32)).to(source)
@@ -154,7 +154,7 @@ def test_prepare_pads_the_head_with_zero_rows_off_the_cpu(tied, source, graph):
 
 
 def weight_data(tensor: torch.Tensor, name: str) -> WeightData:
-    """`tensor` as an adapter returns it, bfloat16 included."""
+    """`tensor` as a `WeightData`, bfloat16 included."""
     if tensor.dtype != torch.bfloat16:
         return WeightData.from_numpy(tensor.numpy(), name)
     return WeightData.from_numpy(tensor.float().numpy(), name).astype(DType.bfloat16)

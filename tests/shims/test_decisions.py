@@ -27,10 +27,10 @@ def test_maxs_softmax_is_nan_at_a_temperature_that_overflows():
     assert all(math.isnan(p) for p in MAX_SOFTMAX(LOG_PROBABILITIES, 5e-324))
 
 
-@pytest.mark.parametrize("temperature", [1e-3, 0.3, 1.0, 7.0, 1e300])
-def test_the_shifted_softmax_is_maxs_where_that_is_finite(temperature):
+@pytest.mark.parametrize("temperature", [1e-300, 1e-3, 0.3, 1.0, 7.0, 1e300])
+def test_every_finite_answer_is_maxs(temperature):
     shifted = decisions.from_the_top(MAX_SOFTMAX)(LOG_PROBABILITIES, temperature)
-    assert shifted == pytest.approx(MAX_SOFTMAX(LOG_PROBABILITIES, temperature), rel=1e-12)
+    assert shifted == MAX_SOFTMAX(LOG_PROBABILITIES, temperature)
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-310])
@@ -62,3 +62,19 @@ def test_the_renderers_own_arguments_are_refused_before_it_runs(key):
     assert calls == []
     assert asyncio.run(checked(None, None, "state", [], {"x": 2})) == []
     assert calls == [{"x": 2}]
+
+
+def test_maxs_chat_format_hands_the_renderer_its_own_arguments_twice():
+    """Without the shim's check: `tools` meets the renderer's own (a 500)."""
+    decisions.install()
+
+    class Renderer:
+        def apply_chat_template(self, messages, tools=None, **options):
+            return "rendered"
+
+    view = _decisions_prompt.QuestionView(
+        kind="yes_no", question="Is it?", names=["yes", "no"], details=[None, None])
+    encode = _chat_format.ChatFormat.encode.__wrapped__
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'tools'"):
+        asyncio.run(encode(_chat_format.ChatFormat(), Renderer(), "x", [("q", view)],
+                           {"tools": []}))

@@ -1,15 +1,19 @@
 """`weight_files`: the package's check of local weight files runs before MAX reads them, and
 a checkpoint folder saved in half precision gets its files named for MAX to find."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from max.driver import DeviceSpec
 from max.pipelines import AutoModel
 from max.pipelines.lib.config.config import PipelineConfig
+from max.pipelines.lib.config.model_config import MAXModelConfig
 from max.pipelines.weights.hf_utils import HuggingFaceRepo
 from safetensors.torch import load_file, save_file
 
+from gpt2_max.arch import gpt2_arch
 from gpt2_max.shims import weight_files
 from gpt2_max.testing.reference import (
     hf_greedy,
@@ -68,13 +72,43 @@ def named(folder, weight_path=()):
 def test_a_half_precision_folder_gets_its_files_named(tmp_path, dtype):
     """MAX 26.7 finds no files for a float32 graph in it, and refuses the folder."""
     folder = half(tmp_path / "half", dtype)
-    assert named(folder) == ["model.safetensors"]
+    assert named(folder) == [folder / "model.safetensors"]
     assert named(folder, ["model.safetensors"]) == []  # named already
     mixed = half(tmp_path / "mixed", dtype)
     state = load_file(mixed / "model.safetensors")
     save_file({**state, "wpe.weight": state["wpe.weight"].float()}, mixed / "model.safetensors")
     assert named(mixed) == []  # MAX finds the float32 tensor's file
     assert named(write_tiny_checkpoint(tmp_path / "float32")) == []
+
+
+RESOLVED = {
+    ("cpu", None): "float32", ("cpu", "float32"): "float32", ("cpu", "bfloat16"): None,
+    ("gpu", None): "bfloat16", ("gpu", "float32"): "float32", ("gpu", "bfloat16"): "bfloat16",
+}
+"""The encoding MAX resolves for a half-precision folder on a device, given none or one
+asked for, as for a float32 folder (None: refused, naming the device)."""
+
+
+@pytest.mark.parametrize("device, asked", sorted(RESOLVED, key=str))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_maxs_resolution_of_a_half_precision_folder_is_a_float32_folders(
+    tmp_path, dtype, device, asked
+):
+    """Through MAX's own resolution with the architecture (a GPU's is only a spec
+    here): the device's default or the encoding asked for, and the folder's file."""
+    weight_files.install(GPT2TextTokenizer, check_complete)
+    folder = half(tmp_path, dtype)
+    spec = DeviceSpec.cpu() if device == "cpu" else DeviceSpec.accelerator()
+    model = MAXModelConfig(model_path=str(folder), device_specs=[spec],
+                           **({} if asked is None else {"quantization_encoding": asked}))
+    resolve = PipelineConfig._model_with_resolved_weights
+    if RESOLVED[device, asked] is None:
+        with pytest.raises(ValueError, match="not compatible with the selected device"):
+            resolve(model, gpt2_arch)
+        return
+    resolved = resolve(model, gpt2_arch)
+    assert resolved.quantization_encoding == RESOLVED[device, asked]
+    assert [Path(p) for p in resolved.weight_path] == [folder / "model.safetensors"]
 
 
 @pytest.mark.tier("model")

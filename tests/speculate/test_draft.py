@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import psutil
 import pytest
+import torch
 from max.driver import CPU, Buffer
 from max.dtype import DType
 from transformers import GPT2Config
@@ -24,7 +25,14 @@ from gpt2_max.speculate.draft import (
     checkpoint_files,
     memory,
 )
-from gpt2_max.testing.reference import TINY, load_reference, save_gguf, write_tiny_checkpoint
+from gpt2_max.testing.reference import (
+    TINY,
+    load_reference,
+    save_gguf,
+    saved_in,
+    write_tiny_checkpoint,
+)
+from gpt2_max.weights.schema import parameter_count
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -125,6 +133,15 @@ def test_a_smaller_gpt2_takes_its_files_and_a_page_of_its_own_shape_a_page(tmp_p
     beside = memory(str(folder), GPT2Config(**TINY), PAGE)
     assert beside.fixed == sum(f.stat().st_size for f in checkpoint_files(folder))
     assert beside.per_page == PAGE.bytes_per_block // TINY["n_layer"]
+
+
+def test_a_smaller_gpt2_saved_in_half_precision_takes_its_float32_values(tmp_path):
+    """The safetensors adapter widens its tensors: twice the files' bytes."""
+    folder = saved_in(write_tiny_checkpoint(tmp_path / "hub", n_layer=1), torch.float16)
+    beside = memory(str(folder), GPT2Config(**TINY), PAGE)
+    config = GPT2Config(**{**TINY, "n_layer": 1})
+    assert beside.fixed == parameter_count(config) * 4
+    assert beside.fixed > sum(f.stat().st_size for f in checkpoint_files(folder))
 
 
 @pytest.fixture
