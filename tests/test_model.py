@@ -1,4 +1,5 @@
-"""The compiled model keeps its own weights, so the checkpoint file is let go.
+"""The compiled model keeps its own weights, so the checkpoint file is let go; and the
+GPU's load and graph, cross-compiled here without a GPU.
 
 MAX reads CPU weights in place; the safetensors adapter copies every tensor and
 `GPT2PipelineModel.load_model` closes the file, whose pages would otherwise stay
@@ -9,12 +10,23 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpt2_max.model import GPU_BFLOAT16_WARNING, warn_if_known_wrong
-from gpt2_max.testing.reference import hf_greedy, random_prompt
+from gpt2_max.names import PACKAGE
+from gpt2_max.testing.reference import (
+    hf_greedy,
+    load_reference,
+    random_prompt,
+    save_gguf,
+    saved_in,
+    write_tiny_checkpoint,
+)
+from gpt2_max.testing.server import child_env, max_executable
 
 pytestmark = pytest.mark.tier("model")
 
@@ -42,3 +54,33 @@ def test_a_bfloat16_load_on_an_accelerator_says_it_is_known_wrong(
     with caplog.at_level(logging.WARNING, logger="max.pipelines"):
         warn_if_known_wrong(encoding, on_host)
     assert (GPU_BFLOAT16_WARNING in caplog.text) == warned
+
+
+@pytest.mark.parametrize("weights", ["float16 folder", "q8_0 gguf"])
+def test_the_gpu_load_and_graph_compile_for_a_card_without_one(weights, tmp_path):
+    """`max warm-cache --target cuda:sm_90`: MAX's virtual GPU, on this CPU machine. The
+    GPU's path through the package up to the first step runs here as on a card: MAX's
+    resolution of the folder (a float16 one, which MAX read as an encoding the
+    architecture does not declare), the plain layers' `prepare` (a packed GGUF's
+    blocks dequantized, the head padded) and the bfloat16 graph's compile for Hopper.
+    Its values are not computed (no device), so this says nothing of the tokens: the
+    `gpu` tier does, on a card."""
+    folder = write_tiny_checkpoint(tmp_path / "checkpoint")
+    if weights == "float16 folder":
+        saved_in(folder, torch.float16)
+        flags = []
+    else:
+        path = save_gguf(load_reference(folder), tmp_path / "gguf", "q8_0")
+        folder, flags = path.parent, ["--weight-path", str(path)]
+    done = subprocess.run(
+        [max_executable(), "warm-cache", "--custom-architectures", PACKAGE,
+         "--model", str(folder), *flags, "--target", "cuda:sm_90"],
+        env=child_env(MODULAR_TELEMETRY_ENABLED="0"), capture_output=True, text=True,
+        timeout=1800,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert f"{PACKAGE}: compiling the GPT-2 graph for bfloat16" in log, log[-3000:]
+    assert "Compiling GPT2 took" in log
+    if weights == "q8_0 gguf":
+        assert "packed GGUF tensor(s) (q8_0) dequantized to bfloat16 at load" in log
