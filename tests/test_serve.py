@@ -465,6 +465,35 @@ def test_bad_chat_requests_get_400_saying_why(server, body, message):
     assert message in response.text
 
 
+@pytest.fixture(scope="module")
+def llama_parser_server(gpt2_max_checkpoint, tmp_path_factory):
+    """MAX's one tool parser registered for any model, `llama`, which reads calls from
+    the model's text and builds no grammar that would force one."""
+    log = tmp_path_factory.mktemp("serve-llama-parser") / "server.log"
+    with max_serve(gpt2_max_checkpoint, "--max-batch-size", "2", "--tool-parser", "llama",
+                   log=log) as running:
+        yield running.url
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_from_a_parser_that_cannot_force_one_gets_400(
+    llama_parser_server, stream
+):
+    """MAX answered it with the model's text, `finish_reason` "length", no call."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Paris?"}],
+            "tools": tools, "max_tokens": 4, "stream": stream}
+    url = f"{llama_parser_server}/v1/chat/completions"
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        response = httpx.post(url, json={**body, "tool_choice": choice}, timeout=120)
+        assert response.status_code == 400, response.text
+        assert "tool parser (LlamaToolParser) reads calls from the model's text but builds " \
+               "no grammar that forces one" in response.text
+    assert httpx.post(url, json={**body, "stream": False, "tool_choice": "auto"},
+                      timeout=120).status_code == 200
+
+
 def test_a_body_that_is_not_utf8_gets_400_saying_so(server):
     response = httpx.post(f"{server}/v1/completions",
                           content=b'{"model": "gpt2", "prompt": "\xff\xfe", "max_tokens": 2}',

@@ -19,7 +19,7 @@ and why, so nothing else in the package imports a private MAX name:
   routes drop (`n`, `best_of`, `logit_bias`, `suffix`, `echo` without
   `logprobs`; in a chat audio output, web search, `functions`, `top_logprobs`
   without `logprobs`, a content part that is not text), and a chat `tool_choice`
-  requiring a call that no tool parser reads, answered 400 naming the cause; so
+  requiring a call that no tool parser forces, answered 400 naming the cause; so
   are a body that is not UTF-8, a sampling value out of its range and an unknown
   model name, which MAX answers "Value error.". `/v1/embeddings`, which MAX
   sends to the text worker and answers 500, gets 404; `seed` 0 and a chat's
@@ -94,7 +94,7 @@ CARRIED = (
     "exact stop strings (MAX's own matching applies)",
     "structured output on the CPU",
     "400 naming the cause for an empty completions prompt, a dropped field, an integer "
-    "past int64, a number not finite, a tool call no parser reads, a sampling value out "
+    "past int64, a number not finite, a tool call no parser forces, a sampling value out "
     "of range or an unknown model",
     "400 for chat_template_kwargs the decisions routes' renderer cannot take, and their "
     "probabilities at any temperature",

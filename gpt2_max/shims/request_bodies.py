@@ -25,7 +25,8 @@ audio output, web search, the older `functions`, `top_logprobs` without `logprob
 and a content part that is not text (an `input_audio` or `file` part) are dropped the
 same way (MAX refuses `image_url` and `video_url` parts in its own words; every part
 that is not text gets one message here), and a `tool_choice` that requires a call,
-from a server without a tool parser, is answered in text (`check_tool_choice`). A
+from a server that cannot force one (no tool parser, or one that builds no grammar),
+is answered in text (`check_tool_choice`). A
 client that sent them would take the answer for what it asked.
 
 This module wraps the routes' body parser (`_parse_openai_request_body`, which the
@@ -65,6 +66,7 @@ from fastapi import HTTPException
 from max.pipelines.context import SamplingParams
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.modeling.types import PipelineTask
+from max.pipelines.sampling import ToolCallPolicy
 from max.serve.router import openai_routes
 
 UNSERVED = {
@@ -180,23 +182,39 @@ def check_settings(body: Any, sampling: Any) -> None:
                          "started without --enable-min-tokens, and would stop without it.")
 
 
-def check_tool_choice(body: Any, parses_tools: bool) -> None:
+def check_tool_choice(body: Any, unforced: str | None) -> None:
     """Raises `InputError` for a chat body that requires a tool call (`tool_choice`
     "required", a named function or custom tool, or allowed tools in "required" mode)
-    from a server without a tool parser (`--tool-parser`): the route neither constrains
-    the model to a call nor reads one from its text, so the answer would be text where
-    the client required a call."""
+    from a server that cannot force one (`unforced` says why: `unforced_tool_calls`):
+    the answer would be whatever text the model writes, where the client required a
+    call."""
     choice = getattr(body, "tool_choice", None)
     required = choice == "required" or isinstance(choice, dict) and (
         choice.get("type") in ("function", "custom")
         or choice.get("type") == "allowed_tools"
         and (choice.get("allowed_tools") or {}).get("mode") == "required"
     )
-    if body.tools and required and not parses_tools:
-        raise InputError(
-            f"tool_choice={choice!r} is not served: this server has no tool parser "
-            "(--tool-parser), so the model would answer in text, not call a tool."
-        )
+    if body.tools and required and unforced:
+        raise InputError(f"tool_choice={choice!r} is not served: {unforced}, so the model "
+                         "would answer in text, not call a tool.")
+
+
+def unforced_tool_calls(app: Any) -> str | None:
+    """Why the chat route cannot make the model call a tool on this server, or None
+    where it can. It forces a call only with a grammar, which a tool parser builds
+    (`generate_tool_call_grammar`) unless the tool call policy leaves calls
+    unconstrained; a parser without one (MAX's `llama`) only reads calls the model
+    happens to write."""
+    parser = openai_routes.get_tool_parser(app)
+    if parser is None:
+        return "this server has no tool parser (--tool-parser)"
+    if not hasattr(parser, "generate_tool_call_grammar"):
+        return (f"this server's tool parser ({type(parser).__name__}) reads calls from the "
+                "model's text but builds no grammar that forces one")
+    policy = openai_routes.get_app_pipeline_config(app).sampling.tool_call_policy
+    if policy is ToolCallPolicy.FORCE_UNCONSTRAINED:
+        return f"this server's tool call policy is {policy.value}"
+    return None
 
 
 def kept(body: Any) -> None:
@@ -319,7 +337,7 @@ def install() -> None:
                 ALTERNATIVES.set(body.top_logprobs or 0)  # as asked, before `kept`
             kept(body)
         if model_cls is openai_routes.CreateChatCompletionRequest:
-            check_tool_choice(body, openai_routes.get_tool_parser(request.app) is not None)
+            check_tool_choice(body, unforced_tool_calls(request.app))
         return body
 
     parse.checks_bodies = True  # type: ignore[attr-defined]

@@ -9,6 +9,8 @@ from max.pipelines.context import SamplingParams, SamplingParamsInput
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.context.sampling_params import SamplingParamsGenerationConfigDefaults
 from max.pipelines.modeling.types import PipelineTask
+from max.pipelines.sampling import ToolCallPolicy
+from max.serve.parser.llama_tool_parser import LlamaToolParser
 from max.serve.router import openai_routes
 
 from gpt2_max.shims import request_bodies
@@ -163,11 +165,34 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     {"type": "custom", "custom": {"name": "f"}},
     {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}},
 ])
-def test_a_required_tool_call_needs_a_tool_parser(choice):
+def test_a_required_tool_call_needs_a_server_that_forces_one(choice):
     body = SimpleNamespace(tools=TOOLS, tool_choice=choice)
-    with pytest.raises(InputError, match="this server has no tool parser"):
-        request_bodies.check_tool_choice(body, parses_tools=False)
-    request_bodies.check_tool_choice(body, parses_tools=True)
+    with pytest.raises(InputError, match="is not served: why not, so the model would answer"):
+        request_bodies.check_tool_choice(body, "why not")
+    request_bodies.check_tool_choice(body, None)
+
+
+class GrammarParser:
+    def generate_tool_call_grammar(self, **kwargs):
+        return ""
+
+
+@pytest.mark.parametrize("parser, policy, why", [
+    (None, "default_strict_false_and_best_effort", "this server has no tool parser"),
+    (LlamaToolParser(), "default_strict_false_and_best_effort",
+     "tool parser (LlamaToolParser) reads calls from the model's text but builds no grammar"),
+    (GrammarParser(), "force_unconstrained", "tool call policy is force_unconstrained"),
+    (GrammarParser(), "default_strict_false_and_best_effort", None),
+])
+def test_a_server_forces_a_call_only_with_a_parsers_grammar(monkeypatch, parser, policy, why):
+    """As MAX's chat route builds one (`has_grammar_parser`): without it a required
+    call is whatever text the model writes (MAX's `llama` parser: text, finish_reason
+    "length")."""
+    config = SimpleNamespace(sampling=SimpleNamespace(tool_call_policy=ToolCallPolicy(policy)))
+    monkeypatch.setattr(openai_routes, "get_tool_parser", lambda app: parser)
+    monkeypatch.setattr(openai_routes, "get_app_pipeline_config", lambda app: config)
+    unforced = request_bodies.unforced_tool_calls(object())
+    assert unforced == why if why is None else why in unforced
 
 
 @pytest.mark.parametrize("tools, choice", [
@@ -175,7 +200,7 @@ def test_a_required_tool_call_needs_a_tool_parser(choice):
     (TOOLS, {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}),
 ])
 def test_a_tool_call_not_required_passes(tools, choice):
-    request_bodies.check_tool_choice(SimpleNamespace(tools=tools, tool_choice=choice), False)
+    request_bodies.check_tool_choice(SimpleNamespace(tools=tools, tool_choice=choice), "why")
 
 
 def test_the_routes_sampling_values_out_of_range_say_which():
