@@ -92,7 +92,8 @@ class Layers:
         padding copies the graph's dtype, not float32.
         """
         config = self.config
-        if config.head_reads_wte and block_type(state_dict.get(HEAD_WEIGHT)):
+        head = state_dict.get(HEAD_WEIGHT)
+        if config.head_reads_wte and head is not None and block_type(head):
             state_dict = {name: w for name, w in state_dict.items() if name != HEAD_WEIGHT}
         packed: dict[str, WeightData] = {}
         floats = 0

@@ -41,11 +41,8 @@ def packed_weight(blocks: np.ndarray, name: str, kind: str) -> WeightData:
     return BlockWeightData(blocks, name, DType.uint8, shape, block_type=kind.lower())
 
 
-def block_type(weight: WeightData | None) -> str | None:
-    """The block type (`encodings.ENCODINGS`'s name) `weight` is packed in, or None
-    (as for no weight)."""
-    if weight is None:
-        return None
+def block_type(weight: WeightData) -> str | None:
+    """The block type (`encodings.ENCODINGS`'s name) `weight` is packed in, or None."""
     if isinstance(weight, BlockWeightData):
         return weight.block_type
     encoding = weight.quantization_encoding
