@@ -25,7 +25,8 @@ Where MAX's plain layers serve (a GPU, or `GPT2_MAX_LAYERS=plain` on the CPU), e
 weight is held in the graph's dtype, and a GGUF's packed blocks are dequantized at
 load (`layers.Layers.prepare`): several times the file's bytes. The CPU's fast
 layers hold a safetensors checkpoint in float32, twice the bytes of one saved in
-half precision. The planner reserves the difference too (`held_excess`).
+half precision, and a GGUF's token table (and any block type without a kernel)
+dequantized. The planner reserves the difference too (`held_excess`).
 
 The planner's only say over the cache is the memory it reserves besides the
 weights (`estimate_activation_memory`); MAX gives the cache what remains of
@@ -41,12 +42,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from max.driver import load_devices
-from max.dtype import DType
 from max.pipelines.kv_cache.memory_planner import PagedMemoryPlanner
 
 from .extensions import Beside, memory_beside
 from .shims.internals import free_memory, planner_config
-from .weights.formats import held_in_float32
+from .weights.formats import held_bytes
 from .weights.schema import parameter_count
 
 
@@ -69,20 +69,21 @@ def held_excess(
     config: Any, huggingface_config: Any, weight_paths: Sequence[Any],
     file_bytes: Callable[[], int],
 ) -> int:
-    """Bytes the weights of arch config `config` take beyond their files' (`file_bytes`,
+    """Bytes the weights of arch config `config` take beyond their files (`file_bytes`,
     asked only here): where the plain layers hold each in the graph's dtype (the head
-    padded to `head_rows`), and where the fast layers read files (`weight_paths`)
-    whose adapter widens every tensor to float32 (safetensors). The fast layers hold
-    a GGUF's tensors as the file does (blocks packed, F16 in float16), but for a
-    packed token table's float32 copy for the gather, which is not counted."""
-    if not config.fast_layers:
-        itemsize, padding = config.dtype.size_in_bytes, config.head_rows - config.vocab_size
-    elif held_in_float32(weight_paths):
-        itemsize, padding = DType.float32.size_in_bytes, 0
+    padded to `head_rows`), and where the fast layers hold what the adapter of the
+    files `weight_paths` hands over (`formats.held_bytes`: a safetensors checkpoint in
+    float32, a GGUF's tables and kernel-less blocks dequantized)."""
+    if config.fast_layers:
+        held = held_bytes(weight_paths, huggingface_config)
+        if held is None:
+            return 0
     else:
-        return 0
-    values = parameter_count(huggingface_config) + padding * config.hidden_size
-    return max(0, values * itemsize - file_bytes())
+        rows = parameter_count(huggingface_config) + (
+            config.head_rows - config.vocab_size
+        ) * config.hidden_size
+        held = rows * config.dtype.size_in_bytes
+    return max(0, held - file_bytes())
 
 
 class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
@@ -96,7 +97,7 @@ class TokenBudgetMemoryPlanner(PagedMemoryPlanner):
         reserved = super().estimate_activation_memory(
             pipeline_config, huggingface_config
         ) + held_excess(
-            config, huggingface_config, pipeline_config.model.weight_path,
+            config, huggingface_config, pipeline_config.model.resolved_weight_paths(),
             lambda: self.estimate_weights_size(pipeline_config),
         )
         total_tokens = pipeline_config.runtime.max_batch_total_tokens

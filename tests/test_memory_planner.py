@@ -3,6 +3,7 @@ what the plain layers' weights take beyond their files."""
 
 from __future__ import annotations
 
+import gguf
 import pytest
 from max.dtype import DType
 from max.graph import DeviceRef
@@ -12,6 +13,9 @@ from gpt2_max.extensions import Beside
 from gpt2_max.layers import LAYERS_ENV
 from gpt2_max.memory_planner import cache_share, held_excess
 from gpt2_max.settings import settings as package_settings
+from gpt2_max.tokenizer import TOKENIZER_DIR
+from gpt2_max.tools.checkpoint import random_hub_state_dict
+from gpt2_max.tools.gguf_writer import write_gguf
 from tests.test_model_config import max_config
 
 pytestmark = pytest.mark.tier("unit")
@@ -54,7 +58,6 @@ def test_plain_layers_reserve_what_their_weights_take_beyond_the_files(monkeypat
     assert held_excess(gpu, hf, gguf, lambda: 1000) == held - 1000  # blocks, dequantized
     assert held_excess(gpu, hf, ST, lambda: 10**9) == 0  # a float32 file cast down
     cpu = max_config(**shape)
-    assert held_excess(cpu, hf, gguf, unasked) == 0  # the fast layers hold blocks packed
     monkeypatch.setenv(LAYERS_ENV, "plain")
     package_settings.cache_clear()
     assert held_excess(cpu, hf, gguf, lambda: 1000) == gpt2_values(hf) * 4 - 1000
@@ -72,3 +75,21 @@ def test_the_fast_layers_reserve_a_half_precision_safetensors_widened():
     assert held_excess(cpu, hf, ST, lambda: half) == half
     assert held_excess(cpu, hf, ST, lambda: gpt2_values(hf) * 4) == 0  # saved in float32
     assert held_excess(cpu, hf, [*ST, "m.gguf"], unasked) == 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_fast_layers_reserve_a_packed_gguf_s_token_table_in_float32(tmp_path, tied):
+    """The fast layers multiply a Q8_0 GGUF's blocks as the file holds them, and gather
+    the token table's rows from a float32 copy (beside the blocks a tied head reads)."""
+    hf = GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=300,
+        tie_word_embeddings=tied,
+    )
+    cpu = max_config(vocab_size=300, usable_vocab_size=300, hidden_size=64)
+    path = write_gguf(
+        tmp_path / "m.gguf", hf, random_hub_state_dict(hf, seed=1), "q8_0", TOKENIZER_DIR
+    )
+    tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    table, blocks = 300 * 64 * 4, 300 * 64 // 32 * 34  # Q8_0: 34 bytes a 32 values
+    expected = table if tied else table - blocks  # untied: the table's blocks are not kept
+    assert held_excess(cpu, hf, [path], lambda: tensors) == expected

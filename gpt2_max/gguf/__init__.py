@@ -17,7 +17,7 @@ safetensors alone. What is here:
 from max.graph.weights import GGUFWeights, WeightsFormat
 
 from ..weights.formats import WeightFormat
-from .adapter import convert_gguf_state_dict, release_pages
+from .adapter import convert_gguf_state_dict, held_bytes, release_pages
 from .extent import check_length
 
 WEIGHT_FORMAT = WeightFormat(
@@ -27,4 +27,5 @@ WEIGHT_FORMAT = WeightFormat(
     check=check_length,
     weights=GGUFWeights,
     release=release_pages,
+    held=held_bytes,
 )

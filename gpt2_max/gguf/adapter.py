@@ -35,8 +35,11 @@ derives both from the file's metadata. The adapter checks that metadata against 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import mmap
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -81,6 +84,45 @@ def stays_half(name: str) -> bool:
     """Whether an F16 tensor `name` is held as float16: a matmul weight, or the
     token table (a tied head streams it every decode step)."""
     return name == "wte.weight" or stays_packed(name)
+
+
+class Held(enum.Enum):
+    """How the adapter hands a tensor over."""
+
+    PACKED = "its blocks, as the file holds them"
+    HALF = "float16, as the file holds it"
+    FLOAT32 = "float32: read exactly, widened or dequantized"
+
+
+def held_as(name: str, qtype: Q, tied_head: bool) -> tuple[tuple[str, Held], ...]:
+    """The parameters the adapter makes of tensor `name` of type `qtype`, and how each
+    is held: the one rule the adapter follows and the memory planner counts by."""
+    if qtype in KEPT and stays_packed(name):
+        return ((name, Held.PACKED),)
+    if qtype in KEPT and name == "wte.weight" and tied_head:
+        # A tied head over a packed table multiplies the blocks (a float copy would
+        # cost 4-8x their bytes per decode step); the gather reads float rows.
+        return (("lm_head.weight", Held.PACKED), (name, Held.FLOAT32))
+    if qtype == Q.F16 and stays_half(name):
+        return ((name, Held.HALF),)
+    return ((name, Held.FLOAT32),)
+
+
+def held_bytes(paths: Sequence[Path], hf_config: Any) -> int:
+    """Bytes the adapter hands over for the GGUF `paths`, read from their headers: what
+    the fast layers hold (`memory_planner.held_excess`); tensors that are not GPT-2's,
+    which the load refuses, count nothing."""
+    tied_head = ties_word_embeddings(hf_config)
+    total = 0
+    for path in paths:
+        for tensor in gguf.GGUFReader(path).tensors:
+            name = hub_name(tensor.name)
+            for _, form in held_as(name, tensor.tensor_type, tied_head) if name else ():
+                total += (
+                    int(tensor.n_bytes) if form is Held.PACKED
+                    else int(tensor.n_elements) * (2 if form is Held.HALF else 4)
+                )
+    return total
 
 
 def metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -195,21 +237,17 @@ def convert_gguf_state_dict(
         foreign="llama.cpp GPT-2 tensor",
     ):
         tensor = tensors[key]
-        qtype = tensor.tensor_type
-        if qtype in KEPT and stays_packed(name):
-            converted[name] = _packed(name, tensor)
-            continue
-        if qtype in KEPT and name == "wte.weight" and tied_head:
-            # A tied head over a packed table multiplies the blocks (a float copy
-            # would cost 4-8x their bytes per decode step); the gather below
-            # reads float rows.
-            converted["lm_head.weight"] = _packed("lm_head.weight", tensor)
-        if qtype == Q.F16 and stays_half(name):
-            converted[name] = WeightData.from_numpy(writable(np.asarray(tensor.data)), name)
-            continue
-        if qtype not in (Q.F32, *WIDENED):
-            dequantized.append(f"{key} ({qtype.name})")
-        converted[name] = WeightData.from_numpy(_float32(key, tensor), name)
+        for parameter, form in held_as(name, tensor.tensor_type, tied_head):
+            if form is Held.PACKED:
+                converted[parameter] = _packed(parameter, tensor)
+            elif form is Held.HALF:
+                converted[parameter] = WeightData.from_numpy(
+                    writable(np.asarray(tensor.data)), parameter
+                )
+            else:
+                if tensor.tensor_type not in (Q.F32, *WIDENED):
+                    dequantized.append(f"{key} ({tensor.tensor_type.name})")
+                converted[parameter] = WeightData.from_numpy(_float32(key, tensor), parameter)
     if dequantized:
         logger.info(
             f"{PACKAGE}: %d GGUF tensor(s) dequantized to float32 at load (embedding tables "

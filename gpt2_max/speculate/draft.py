@@ -35,14 +35,13 @@ import numpy as np
 import psutil
 from max import tree
 from max.driver import Buffer
-from max.dtype import DType
 from max.experimental import functional as F
 from max.experimental.tensor import default_dtype
 from max.graph.weights import WeightData, Weights, load_weights, weights_format
 from transformers import AutoConfig
 
 from ..bursts.model import step_inputs
-from ..encodings import PACKED_TYPES
+from ..encodings import PACKED_TYPES, block_geometry
 from ..extensions import Beside
 from ..gguf.adapter import huggingface_config as gguf_huggingface_config
 from ..gguf.adapter import metadata
@@ -51,10 +50,10 @@ from ..inputs import GPT2Inputs
 from ..model_config import GPT2ArchConfig, shape_fields, validate_huggingface_config
 from ..names import PACKAGE
 from ..settings import setting
-from ..weights.formats import formats, held_in_float32, release
+from ..weights.formats import formats, held_bytes, release
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import block_type, packed_weight
-from ..weights.schema import is_projection_weight, parameter_count, ties_word_embeddings
+from ..weights.schema import expected_shapes, is_projection_weight, ties_word_embeddings
 
 logger = logging.getLogger("max.pipelines")
 
@@ -147,17 +146,20 @@ def memory(source: str, model_config: Any, kv_params: Any) -> Beside:
     tables; a path's files), and a page of its own for each of the model's."""
     if source in PACKED_TYPES:
         config = model_config
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[source.upper()]]
-        width, layers = config.n_embd, config.n_layer
-        packed = (12 * layers * width + config.vocab_size) * width * size // block
+        block, size = block_geometry(source)
+        width = config.n_embd
+        matrices = sum(
+            math.prod(shape) for name, shape in expected_shapes(config).items()
+            if is_projection_weight(name)
+        ) + config.vocab_size * width  # and the head
+        packed = matrices * size // block
         tables = (config.vocab_size + config.n_positions) * width * 4
         fixed = packed + tables
     else:
         files = checkpoint_files(Path(source))
         config = checkpoint_config(Path(source), files)
         fixed = sum(file.stat().st_size for file in files)
-        if held_in_float32(files):  # a half-precision checkpoint takes twice its files
-            fixed = max(fixed, parameter_count(config) * DType.float32.size_in_bytes)
+        fixed = max(fixed, held_bytes(files, config) or 0)  # e.g. half precision, widened
     # A page holds keys and values of every layer, `width` each a token.
     per_page = (kv_params.bytes_per_block * config.n_layer * config.n_embd
                 // (model_config.n_layer * model_config.n_embd))

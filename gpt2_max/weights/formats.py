@@ -15,16 +15,18 @@ would otherwise stay resident beside the copies: `release` lets them go.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from max.dtype import DType
 from max.graph.weights import SafetensorWeights, WeightData, Weights, WeightsFormat
 
 from .. import extensions
 from .files import check_safetensors
 from .safetensors import convert_safetensor_state_dict
+from .schema import parameter_count
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,16 @@ class WeightFormat:
     """The `Weights` MAX opens the format's files as."""
     release: Callable[[Any], None]
     """Lets the file's mapping go, given those `Weights`."""
-    float32: bool = False
-    """Whether the adapter hands every tensor over in float32 whatever the file holds
-    (safetensors: a checkpoint saved in half precision takes twice its files' bytes)."""
+    held: Callable[[Sequence[Path], Any], int]
+    """Bytes the adapter hands over for these files of a model of that transformers
+    config, without reading the values: what the CPU's fast layers hold, which may
+    exceed the files (a checkpoint saved in half precision, a table dequantized)."""
+
+
+def float32_values(paths: Sequence[Path], hf_config: Any) -> int:
+    """What the safetensors adapter hands over: every parameter in float32, whatever
+    the files hold."""
+    return parameter_count(hf_config) * DType.float32.size_in_bytes
 
 
 SAFETENSORS = WeightFormat(
@@ -55,7 +64,7 @@ SAFETENSORS = WeightFormat(
     check=check_safetensors,
     weights=SafetensorWeights,
     release=SafetensorWeights.close,
-    float32=True,
+    held=float32_values,
 )
 
 
@@ -64,13 +73,15 @@ def formats() -> tuple[WeightFormat, ...]:
     return (SAFETENSORS, *extensions.weight_formats())
 
 
-def held_in_float32(paths: Iterable[Any]) -> bool:
-    """Whether the adapters hand every tensor of these weight files over in float32."""
+def held_bytes(paths: Iterable[Any], hf_config: Any) -> int | None:
+    """Bytes the adapters hand over for weight files `paths` of a model of `hf_config`
+    (`WeightFormat.held`), or None unless they are of one format the package reads."""
+    paths = [Path(path) for path in paths]
     known = {format.suffix: format for format in formats()}
-    suffixes = {Path(path).suffix for path in paths}
-    return bool(suffixes) and all(
-        suffix in known and known[suffix].float32 for suffix in suffixes
-    )
+    suffixes = {path.suffix for path in paths}
+    if len(suffixes) != 1 or (format := known.get(suffixes.pop())) is None:
+        return None
+    return format.held(paths, hf_config)
 
 
 def check_complete(paths: Iterable[Path]) -> None:

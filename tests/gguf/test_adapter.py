@@ -26,7 +26,7 @@ from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import load_weights
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from gpt2_max.gguf.adapter import convert_gguf_state_dict
+from gpt2_max.gguf.adapter import convert_gguf_state_dict, held_bytes
 from gpt2_max.gguf.names import gguf_name
 from gpt2_max.gguf.quants import quantize
 from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_prompt
@@ -250,6 +250,29 @@ def test_types_maxs_reader_refuses_stay_packed_as_the_file_stores_them(tmp_path,
     assert weight.dtype == DType.uint8
     np.testing.assert_array_equal(np.asarray(weight.data), tensors["blk.0.ffn_up.weight"][0])
     assert WeightPlan.of(converted).encoding("h.0.mlp.c_fc.weight") == qtype.name.lower()
+
+
+UNTIED = GPT2Config(**{**SMALL.to_dict(), "tie_word_embeddings": False})
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize(
+    "file_type, config",
+    [("q4_k_m", SMALL), ("q4_k_m", UNTIED), ("f16", SMALL), ("f32", UNTIED), ("q8_0", SMALL)],
+)
+def test_held_bytes_are_what_the_adapter_hands_over(tmp_path, file_type, config):
+    """The memory planner's count of a GGUF, from its header alone, is the bytes the
+    adapter's arrays take: a packed tied table's float32 copy for the gather and a
+    block type without a kernel (Q4_1) dequantized among them."""
+    state = random_hub_state_dict(config, seed=2)
+    tensors = gguf_tensors(config, state, file_type)
+    up = state["h.0.mlp.c_fc.weight"].T
+    tensors["blk.0.ffn_up.weight"] = (quantize(up, Q.Q4_1), Q.Q4_1)
+    path = write_tensors(tmp_path / "m.gguf", config, tensors, file_type, TOKENIZER_DIR)
+    converted = adapt(path, config)
+    held = sum(np.asarray(weight.data).nbytes for weight in converted.values())
+    assert held_bytes([path], config) == held
+    assert held > sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
 @pytest.mark.tier("unit")

@@ -113,8 +113,9 @@ PAGE = SimpleNamespace(bytes_per_block=4096)
 """The model's cache pages, as `memory` reads them."""
 
 
-def test_a_self_draft_takes_its_packed_matrices_its_tables_and_a_page_a_page(tmp_path):
-    hf = load_reference(write_tiny_checkpoint(tmp_path / "hub"))
+@pytest.mark.parametrize("inner", [None, 96])
+def test_a_self_draft_takes_its_packed_matrices_its_tables_and_a_page_a_page(tmp_path, inner):
+    hf = load_reference(write_tiny_checkpoint(tmp_path / "hub", n_inner=inner))
     packed = floats = 0
     for name, tensor in hf.state_dict().items():
         if name.endswith(".weight") and ".h." in name and tensor.ndim == 2:
