@@ -14,9 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index in `text` where the first stop string to complete starts, or None."""
-    found = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+def first_stop(text: str, stops: Sequence[str], since: int = 0) -> int | None:
+    """Index in `text` where the first stop string to complete starts, or None; with
+    `since`, of the stops completed by `text[since:]`, none having been before it."""
+    found = [
+        (i + len(s), i) for s in stops
+        if s and (i := text.find(s, max(0, since - len(s) + 1))) >= 0
+    ]
     return min(found)[1] if found else None
 
 
@@ -26,37 +30,50 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text, False) if index is None else (text[:index], True)
 
 
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that a stop string could still complete."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+def held_back(text: str, stop: str, most: int) -> int:
+    """Length of the longest tail of `text`, at most `most` long, that `stop` could
+    still complete (a proper prefix of it)."""
+    for n in range(min(most, len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
 
 
 @dataclass
 class StopScanner:
-    """Feeds text pieces in; releases only text that is certainly before any stop."""
+    """Feeds text pieces in; releases only text that is certainly before any stop.
+
+    Each feed looks only at what the piece can change, so a request's cost grows with
+    its text times its stops, not with their square: a stop completed now ends in the
+    piece, and the tail a stop could still complete is at most the piece longer than
+    the one before it (`held`), found by trying lengths from there down.
+    """
 
     stops: Sequence[str]
     text: str = ""
     released: int = 0
     stopped: bool = field(default=False, init=False)
+    held: list[int] = field(default_factory=list, init=False)
+    """Per stop, the tail of `text` it could still complete."""
+
+    def __post_init__(self) -> None:
+        self.held = [0] * len(self.stops)
 
     def feed(self, piece: str) -> str:
         """Adds `piece`; returns the newly released text (all of it up to a stop, if one hit)."""
         if self.stopped:
             return ""
-        self.text += piece
-        index = first_stop(self.text, self.stops)
+        before, self.text = len(self.text), self.text + piece
+        index = first_stop(self.text, self.stops, since=before)
         if index is not None:
             self.stopped = True
             end = max(index, self.released)
         else:
-            end = len(self.text) - held_back(self.text, self.stops)
+            self.held = [
+                held_back(self.text, stop, tail + len(piece))
+                for stop, tail in zip(self.stops, self.held, strict=True)
+            ]
+            end = len(self.text) - max(self.held, default=0)
         out, self.released = self.text[self.released : end], max(end, self.released)
         return out
 
