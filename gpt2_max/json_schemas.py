@@ -110,7 +110,20 @@ def bound_numbers(schema: Any, *, multiple_of: bool) -> Any:
 
 def _types(node: dict[str, Any]) -> set[str]:
     kind = node.get("type")
-    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    return {k for k in kinds if isinstance(k, str)}
+
+
+def _count(value: Any) -> int | None:
+    """A count keyword's value (`minItems`), or None where it is not a whole number,
+    which the engines refuse in their own words."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value) if isinstance(value, int) or value.is_integer() else None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _bound(node: Any, multiple_of: bool) -> None:
@@ -122,10 +135,11 @@ def _bound(node: Any, multiple_of: bool) -> None:
         return
     types = _types(node)
     if types & {"number", "integer"}:
-        if "exclusiveMinimum" not in node:
-            node["minimum"] = max(node.get("minimum", -NUMBER_LIMIT), -NUMBER_LIMIT)
-        if "exclusiveMaximum" not in node:
-            node["maximum"] = min(node.get("maximum", NUMBER_LIMIT), NUMBER_LIMIT)
+        # A bound that is not a number is left as it is, for the engine to refuse.
+        if "exclusiveMinimum" not in node and _number(low := node.get("minimum", -NUMBER_LIMIT)):
+            node["minimum"] = max(low, -NUMBER_LIMIT)
+        if "exclusiveMaximum" not in node and _number(high := node.get("maximum", NUMBER_LIMIT)):
+            node["maximum"] = min(high, NUMBER_LIMIT)
         if multiple_of and "number" in types and "multipleOf" not in node:
             node["multipleOf"] = 10.0**-FRACTION_DIGITS
     for key, value in node.items():
@@ -175,7 +189,9 @@ def _blocked(node: Any, finite: dict[str, bool], via: str) -> Blocked | None:
     """None if `node` has a finite value given which `$ref`s are `finite`, else what blocks it.
 
     Structural only: whether a value of each required part exists, not whether
-    string lengths or ranges can be met (the engines' compile checks those).
+    string lengths or ranges can be met (the engines' compile checks those). A
+    keyword of the wrong shape (`properties` not an object) blocks nothing here: the
+    engine refuses it, naming it.
     """
     if not isinstance(node, dict):
         return [] if node is False else None
@@ -187,12 +203,12 @@ def _blocked(node: Any, finite: dict[str, bool], via: str) -> Blocked | None:
     if isinstance(ref, str) and not finite.get(ref, True):
         blocked.append((via, ref))
         failed = True
-    for sub in node.get("allOf", []):
+    for sub in _list(node.get("allOf")):
         if (inner := _blocked(sub, finite, via)) is not None:
             blocked += inner
             failed = True
     for key in ("anyOf", "oneOf"):
-        if key in node:
+        if isinstance(node.get(key), list):
             branches = [_blocked(sub, finite, via) for sub in node[key]]
             if all(branch is not None for branch in branches):
                 blocked += [pair for branch in branches for pair in branch]  # type: ignore[union-attr]
@@ -216,10 +232,13 @@ def _blocked_by_type(node: dict[str, Any], finite: dict[str, bool], via: str) ->
         return None
     blocked: Blocked = []
     if "object" in types:
-        properties = node.get("properties", {})
+        properties = node.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
         extra = node.get("additionalProperties", True)
         inner_blocked: Blocked = []
-        for name in node.get("required", []):
+        for name in _list(node.get("required")):
+            if not isinstance(name, str):
+                continue
             sub = properties.get(name, extra if isinstance(extra, dict) else True)
             if (inner := _blocked(sub, finite, f"property {name!r}")) is not None:
                 inner_blocked += inner or [(f"property {name!r}", "")]
@@ -227,11 +246,12 @@ def _blocked_by_type(node: dict[str, Any], finite: dict[str, bool], via: str) ->
             return None
         blocked += inner_blocked
     if "array" in types:
-        prefix = node.get("prefixItems", [])
-        items = node.get("items", True)
+        prefix = _list(node.get("prefixItems"))
+        least = max(0, _count(node.get("minItems", 0)) or 0)
+        # Items past the prefix all follow `items`: the first of them stands for the rest.
+        required = [*prefix[:least], *[node.get("items", True)][: least > len(prefix)]]
         inner_blocked = []
-        for index in range(int(node.get("minItems", 0))):
-            sub = prefix[index] if index < len(prefix) else items
+        for index, sub in enumerate(required):
             if (inner := _blocked(sub, finite, f"item {index}")) is not None:
                 inner_blocked += inner
         if not inner_blocked:
@@ -240,51 +260,82 @@ def _blocked_by_type(node: dict[str, Any], finite: dict[str, bool], via: str) ->
     return blocked
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def infinite_cycle(schema: Any) -> str | None:
     """The `$ref` cycle that leaves `schema` no finite value, written out; else None.
 
     Which local `$ref`s have a finite value is the least fixed point of
-    `_blocked` over them; a schema blocked only by refs that lead back to
-    themselves is named by one such cycle.
+    `_blocked` over them, reached from every ref once and then again only from the
+    refs that use one just found finite (a chain of refs is read once, not once per
+    link); a schema blocked only by refs that lead back to themselves is named by
+    one such cycle.
     """
     refs = {ref: _resolve(schema, ref) for ref in _local_refs(schema, set())}
     finite = {ref: target is None for ref, target in refs.items()}
-    changed = True
-    while changed:
-        changed = False
-        for ref, target in refs.items():
-            if not finite[ref] and _blocked(target, finite, "") is None:
-                finite[ref] = changed = True
+    users: dict[str, set[str]] = {ref: set() for ref in refs}
+    for ref, target in refs.items():
+        for used in _local_refs(target, set()):
+            users[used].add(ref)
+    pending = [ref for ref in refs if not finite[ref]]
+    while pending:
+        ref = pending.pop()
+        if not finite[ref] and _blocked(refs[ref], finite, "") is None:
+            finite[ref] = True
+            pending += users[ref]
     blocked = _blocked(schema, finite, "")
     if not blocked:
         return None
     edges = {ref: _blocked(refs[ref], finite, "") or [] for ref in refs if not finite[ref]}
+    done: set[str] = set()
     for _, start in blocked:
-        path: list[tuple[str, str]] = []
-        if cycle := _find_cycle(start, edges, path, set()):
+        if start and (cycle := _find_cycle(start, edges, done)):
             return cycle
     return None
 
 
-def _find_cycle(
-    ref: str, edges: dict[str, Blocked], path: list[tuple[str, str]], seen: set[str]
-) -> str | None:
-    """DFS along blocking refs; the first ref met twice closes the cycle."""
-    if ref in seen:
-        start = next(i for i, (at, _) in enumerate(path) if at == ref)
-        return _cycle_text(path[start:], ref)
-    seen.add(ref)
-    for via, nxt in edges.get(ref, []):
-        if not nxt:
-            continue
-        path.append((ref, via))
-        if cycle := _find_cycle(nxt, edges, path, seen):
-            return cycle
-        path.pop()
-    seen.discard(ref)
+def _find_cycle(start: str, edges: dict[str, Blocked], done: set[str]) -> str | None:
+    """Depth first along blocking refs from `start`; the first ref met again on the
+    path closes the cycle. A ref whose every way on was followed (`done`) leads to
+    none and is not followed again, so each ref is left once however many paths
+    reach it; the path is kept in a list, not in Python's stack, so a chain of refs
+    of any length is followed."""
+    if start in done:
+        return None
+    path: list[tuple[str, str]] = []  # (ref, how the next is reached from it)
+    on_path = {start}
+    stack = [(start, iter(edges.get(start, [])))]
+    while stack:
+        ref, ways = stack[-1]
+        for via, nxt in ways:
+            if not nxt or nxt in done:
+                continue
+            path.append((ref, via))
+            if nxt in on_path:
+                begin = next(i for i, (at, _) in enumerate(path) if at == nxt)
+                return _cycle_text(path[begin:], nxt)
+            on_path.add(nxt)
+            stack.append((nxt, iter(edges.get(nxt, []))))
+            break
+        else:
+            stack.pop()
+            on_path.discard(ref)
+            done.add(ref)
+            if path:
+                path.pop()
     return None
+
+
+CYCLE_STEPS_SHOWN = 8
+"""The steps of a cycle an error names: a long one is shown by its ends."""
 
 
 def _cycle_text(steps: list[tuple[str, str]], closing: str) -> str:
     """`#/$defs/a` -> property 'b' -> `#/$defs/c` ... back to the first."""
-    return " -> ".join(f"{ref} (via {via})" for ref, via in steps) + f" -> {closing}"
+    shown = [f"{ref} (via {via})" for ref, via in steps]
+    if len(shown) > CYCLE_STEPS_SHOWN:
+        half = CYCLE_STEPS_SHOWN // 2
+        shown[half:-half] = [f"... {len(steps) - 2 * half} more ..."]
+    return " -> ".join(shown) + f" -> {closing}"

@@ -59,12 +59,14 @@ class StopScanner:
     def __post_init__(self) -> None:
         self.held = [0] * len(self.stops)
 
-    def feed(self, piece: str) -> str:
-        """Adds `piece`; returns the newly released text (all of it up to a stop, if one hit)."""
+    def feed(self, piece: str, stops: bool = True) -> str:
+        """Adds `piece`; returns the newly released text (all of it up to a stop, if one
+        hit). With `stops` false no stop may end in `piece` (the tokens before a
+        request's `min_tokens`), though one may begin there."""
         if self.stopped:
             return ""
         before, self.text = len(self.text), self.text + piece
-        index = first_stop(self.text, self.stops, since=before)
+        index = first_stop(self.text, self.stops, since=before) if stops else None
         if index is not None:
             self.stopped = True
             end = max(index, self.released)

@@ -12,7 +12,9 @@ error.", is answered 400 saying so, as is a request for no tokens (`max_tokens` 
 which MAX answers with one), and so is each check MAX's context makes of a request
 (`min_tokens` past the window), whose `ValueError` the routes answer the same way.
 A request's `stop_token_ids` stop it under `ignore_eos` too (`create_eos_tracker`),
-and a `top_k` past the vocabulary, which would stop the worker, is cut to it.
+and a `top_k` past the vocabulary, which would stop the worker, is cut to it. A
+request echoing its prompt's log-probabilities reads nothing from the prefix cache,
+whose hits would leave the cached tokens without theirs.
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +107,7 @@ class GPT2TextTokenizer(TextTokenizer):
                 "yields a token (to score a prompt with echo, ask for 1 and drop it)."
             )
         try:
-            request = self._with_prepared_schema(self._top_k_cut(request))
+            request = self._with_prepared_schema(self._top_k_cut(self._scored_alone(request)))
             context = await super().new_context(request)
         except ValueError as error:
             # MAX's checks of this request (`min_tokens` past the window), which the
@@ -119,6 +122,18 @@ class GPT2TextTokenizer(TextTokenizer):
         the checkpoint's `generation_config.json` when the client sent none."""
         return [i for i in request.sampling_params.stop_token_ids or []
                 if i not in self.eos_token_ids]
+
+    @staticmethod
+    def _scored_alone(request: TextGenerationRequest) -> TextGenerationRequest:
+        """`request` with a prefix-cache salt of its own where it echoes its prompt's
+        log-probabilities: MAX skips the prompt's pages the cache holds (the same prompt
+        asked before, or another sharing its first pages), and echo has an entry for
+        each token computed, so the answer lacked the cached tokens'. vLLM reads no
+        cache for such a request either."""
+        if not (request.echo and request.logprobs):
+            return request
+        return dataclasses.replace(
+            request, cache_salt=f"{request.cache_salt or ''} echo {uuid.uuid4().hex}")
 
     def _top_k_cut(self, request: TextGenerationRequest) -> TextGenerationRequest:
         """`request` with a `top_k` past the vocabulary cut to it, which keeps the same

@@ -10,6 +10,7 @@ from llguidance import LLMatcher
 from max.pipelines.lib.pipeline_variants.structured_output_backend import make_grammar_backend
 from transformers import AutoTokenizer
 
+from gpt2_max import json_schemas
 from gpt2_max.generate.constrained import compile_constraint, llg_tokenizer
 from gpt2_max.json_schemas import (
     FRACTION_DIGITS,
@@ -163,3 +164,76 @@ def test_a_schema_past_the_size_a_request_may_ask_for_is_refused() -> None:
         prepare({"const": nested(MAX_DEPTH)}, multiple_of=False)
     with pytest.raises(SchemaError, match=f"holds {MAX_NUMBERS + 1} number or integer"):
         prepare(numbers(MAX_NUMBERS + 1), multiple_of=False)
+
+
+def chain(links: int, last: object) -> dict:
+    """`links` definitions, each requiring the next; the last is `last`."""
+    defs = {f"d{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}},
+                      "required": ["n"]} for i in range(links)}
+    return {"$defs": {**defs, f"d{links}": last}, "$ref": "#/$defs/d0"}
+
+
+def diamonds(layers: int) -> dict:
+    """Each layer requires two definitions that both require the next layer, whose last
+    requires a property that has no value (`false`): 2**layers paths and no cycle."""
+    defs = {f"l{layers}": {"type": "object", "properties": {"z": False}, "required": ["z"]}}
+    for i in range(layers):
+        defs[f"l{i}"] = {"type": "object", "required": ["x", "y"], "properties": {
+            side: {"$ref": f"#/$defs/{side}{i}"} for side in "xy"}}
+        for side in "xy":
+            defs[f"{side}{i}"] = {"type": "object", "required": ["z"],
+                                  "properties": {"z": {"$ref": f"#/$defs/l{i + 1}"}}}
+    return {"$defs": defs, "$ref": "#/$defs/l0"}
+
+
+@pytest.mark.parametrize("schema, most", [
+    (chain(3000, {"type": "string"}), 5 * 3001),  # each link read once per link before it
+    (diamonds(40), 5 * 121),  # each followed along each of 2**40 paths
+    ({"type": "array", "minItems": 10**12, "items": {"type": "string"}}, 2),  # once per item
+])
+def test_the_finite_value_check_reads_each_part_a_bounded_number_of_times(
+    monkeypatch, schema, most
+) -> None:
+    """Refs (their parts) and required items are each looked at a few times, not once
+    for each way to reach them (the counts before this rule are in the comments): a
+    schema a client writes in a few kilobytes is checked at once."""
+    calls = 0
+    blocked = json_schemas._blocked
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return blocked(*args)
+
+    monkeypatch.setattr(json_schemas, "_blocked", counted)
+    assert infinite_cycle(schema) is None
+    assert calls <= most
+
+
+def test_a_long_cycle_is_named_by_its_ends() -> None:
+    """Followed without Python's recursion, which 3000 links would exhaust."""
+    with pytest.raises(SchemaError) as refused:
+        prepare(chain(3000, {"$ref": "#/$defs/d0"}), multiple_of=False)
+    assert ("#/$defs/d3 (via property 'n') -> ... 2993 more ... -> #/$defs/d2997 (via "
+            "property 'n')") in str(refused.value)
+    assert str(refused.value).endswith("-> #/$defs/d0 is required all the way round; make "
+                                       "one property or item on that cycle optional.")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": None, "required": ["a"]},
+    {"type": "object", "properties": [1], "required": ["a"]},
+    {"type": "object", "required": [[1], 5]},
+    {"type": "object", "required": 5},
+    {"type": [["object"]], "required": ["a"]},
+    {"type": "array", "minItems": float("inf")},
+    {"type": "array", "minItems": 1e400},
+    {"type": "array", "minItems": "3", "prefixItems": {"a": 1}},
+    {"allOf": 5, "anyOf": {"a": 1}, "oneOf": None},
+    {"type": "integer", "minimum": "a", "maximum": None},
+])
+def test_keywords_of_the_wrong_shape_are_left_for_the_engine_to_name(schema) -> None:
+    """What the check cannot read blocks nothing (xgrammar refuses it in its own words:
+    `tests/test_serve_structured_output.py`); it raised `AttributeError`, `TypeError` or
+    `OverflowError`, answered 500."""
+    assert prepare(schema, multiple_of=False) is not None

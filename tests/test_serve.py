@@ -405,7 +405,7 @@ def test_a_body_nested_past_python_s_recursion_gets_400(server):
     response = httpx.post(f"{server}/v1/completions", content=body,
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 400, response.text
-    assert "the request body nests too deep to be read" in response.text
+    assert "the request body cannot be read: nested too deep" in response.text
 
 
 def test_a_top_k_past_the_vocabulary_keeps_every_token(server):
@@ -494,6 +494,54 @@ def test_a_required_tool_call_from_a_parser_that_cannot_force_one_gets_400(
                       timeout=120).status_code == 200
 
 
+def test_a_text_response_format_is_answered_in_text_and_the_server_stays_up(
+    llama_parser_server,
+):
+    """MAX's chat route made OpenAI's `{"type": "text"}` a constraint to any JSON value,
+    which a server with a tool parser and without --enable-structured-output refused
+    in its model worker: "Worker crashed", the server gone."""
+    url = f"{llama_parser_server}/v1/chat/completions"
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 6, "return_token_ids": True, "temperature": 0, "ignore_eos": True}
+    answers = [httpx.post(url, json=b, timeout=120)
+               for b in ({**body, "response_format": {"type": "text"}}, body)]
+    assert [a.status_code for a in answers] == [200, 200], answers[0].text
+    tokens = [a.json()["choices"][0]["token_ids"] for a in answers]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions",
+     '{"model": "gpt2", "prompt": "Hi", "max_tokens": 2, "seed": ' + "1" * 5000 + "}",
+     "the request body cannot be read: an integer of more than 4300 digits"),
+    ("/v1/chat/completions", json.dumps({"model": "gpt2", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 5000}}]}]}),
+     "the arguments of tool call 'c1' cannot be read: nested too deep"),
+])
+def test_json_python_cannot_read_gets_400_naming_where(server, path, body, message):
+    """The first was answered "Value error.", the second 500 (the chat route parses a
+    tool call's arguments itself)."""
+    response = httpx.post(f"{server}{path}", content=body,
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert message in response.text
+
+
+def test_a_body_of_prompts_one_refused_is_refused_whole(server):
+    """Each prompt's request is made before any is queued (`request_bodies.all_or_none`):
+    the others generated to their end for no one."""
+    body = {"model": MODEL_NAME, "prompt": [[464, 3290], [464, 3290], [GPT2_VOCAB_SIZE]],
+            "max_tokens": 4, "ignore_eos": True}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert f"token id {GPT2_VOCAB_SIZE} at position 0 is outside" in response.text
+    body["prompt"] = body["prompt"][:2]
+    answer = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    assert answer["usage"]["completion_tokens"] == 8
+
+
 def test_a_body_that_is_not_utf8_gets_400_saying_so(server):
     response = httpx.post(f"{server}/v1/completions",
                           content=b'{"model": "gpt2", "prompt": "\xff\xfe", "max_tokens": 2}',
@@ -514,6 +562,37 @@ def test_embeddings_get_404_from_a_text_generation_server(server, hf_models, bod
         model=MODEL_NAME, prompt=prompt, max_tokens=4, **GREEDY
     )
     assert token_ids(after.choices[0]) == hf_greedy(hf_models("default"), prompt, 4)[0]
+
+
+@pytest.fixture(scope="module")
+def echo_server(checkpoints, tmp_path_factory):
+    """Returns logits for every prompt token, with MAX's prefill chunks and prefix cache."""
+    log = tmp_path_factory.mktemp("serve-echo") / "server.log"
+    with max_serve(checkpoints("default", "hub"), "--max-batch-size", "2", "--enable-echo",
+                   log=log) as running:
+        yield running.url
+
+
+def test_echo_counts_every_prompt_token_when_the_prefix_cache_holds_them(
+    echo_server, hf_models
+):
+    """The prompt asked again, or after another sharing its first pages: MAX skipped the
+    cached pages, and echo answered without their tokens' log-probabilities (a
+    200-token prompt asked twice: 72 of 200). Others still read the cache."""
+    prompt = random_prompt(200, seed=21)
+    expected = hf_prompt_logprobs(hf_models("default"), prompt)
+    api = client(echo_server)
+    plain = [api.completions.create(model=MODEL_NAME, prompt=prompt[:150] + [11] * 50,
+                                    max_tokens=1, **GREEDY) for _ in range(2)]
+    assert plain[1].usage.prompt_tokens_details.cached_tokens == 128  # a page
+    for _ in range(2):
+        response = api.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1, **GREEDY
+        )
+        reported = response.choices[0].logprobs.token_logprobs
+        assert len(reported) == len(prompt)
+        np.testing.assert_allclose(reported[:-1], expected, atol=LOGPROBS_ATOL, rtol=0)
+        assert response.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_chunked_prefill_matches_transformers(chunking_server, hf_models):

@@ -286,7 +286,9 @@ def test_bad_schemas_get_400_with_the_reason_and_the_server_keeps_serving(
     body = {"model": served.model, "messages": MESSAGES, "max_tokens": 8,
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "bad", "schema": schema}}}
-    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
+    response = httpx.post(  # `json.dumps` writes an infinite float as JSON's `Infinity`
+        f"{served.url}/v1/chat/completions", content=json.dumps(body),
+        headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 400, response.text
     assert reason in response.text
     prompt = [464, 2068, 7586, 21831]
@@ -295,6 +297,50 @@ def test_bad_schemas_get_400_with_the_reason_and_the_server_keeps_serving(
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     assert token_ids(after) == served.reference.greedy(prompt, 6)
+
+
+# Keywords of the wrong shape, and schemas the finite-value check once took time
+# exponential (2**40 paths) or linear in a count (10**12 items) to read, reach
+# xgrammar, which names what it cannot compile.
+DIAMONDS: dict = {"$defs": {"l40": {"type": "object", "properties": {"z": False},
+                                    "required": ["z"]}}, "$ref": "#/$defs/l0"}
+for i in range(40):
+    DIAMONDS["$defs"][f"l{i}"] = {"type": "object", "required": ["x", "y"], "properties": {
+        side: {"$ref": f"#/$defs/{side}{i}"} for side in "xy"}}
+    for side in "xy":
+        DIAMONDS["$defs"][f"{side}{i}"] = {"type": "object", "required": ["z"],
+                                           "properties": {"z": {"$ref": f"#/$defs/l{i + 1}"}}}
+
+
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        ({"type": "object", "properties": None, "required": ["a"]},
+         "properties must be an object"),
+        ({"type": "array", "minItems": float("inf")}, "Failed to parse JSON"),
+        ({"type": "integer", "minimum": "a"}, "Value must be a number"),
+        ({"type": "array", "minItems": 10**12}, "Expect integer"),
+        (DIAMONDS, "is forbidden by a false schema"),
+    ],
+    ids=["properties-null", "minItems-infinite", "minimum-text", "minItems-10**12", "diamonds"],
+)
+def test_schemas_the_check_cannot_read_are_named_by_the_engine(served, schema, reason) -> None:
+    """They were answered 500 (`AttributeError`, `OverflowError`, `TypeError` in the
+    check) or held the API process."""
+    test_bad_schemas_get_400_with_the_reason_and_the_server_keeps_serving(
+        served, schema, reason)
+
+
+def test_a_text_response_format_is_free_text(served) -> None:
+    """MAX's route made OpenAI's `{"type": "text"}` a constraint to any JSON value."""
+    answers = [
+        served.client.chat.completions.create(
+            model=served.model, messages=MESSAGES, max_tokens=12, temperature=0.0,
+            extra_body={**TOKEN_IDS, "ignore_eos": True}, **format)
+        for format in ({"response_format": {"type": "text"}}, {})
+    ]
+    assert token_ids(answers[0]) == token_ids(answers[1])
+    assert not json_prefix(answers[0].choices[0].message.content)
 
 
 def test_sixteen_concurrent_requests_mixing_constrained_and_free(served, greedy) -> None:

@@ -6,9 +6,12 @@ first request without checking there is one (`"prompt": []`), and refuses a
 streamed body of several prompts by raising `NotImplementedError`, which no
 handler catches (`max/serve/router/openai_routes.py`, `openai_create_completion`).
 A body nested a thousand levels deep fails the routes' own JSON parsing (an uncaught
-`RecursionError`). An integer past int64 (a `seed`, `top_k`, a stop token id) passes
-the routes' checks and fails later: as MAX's request queue serializes it, or in the
-model worker, whose exit stops the server. All four are the client's mistake, as is a
+`RecursionError`), as do a chat's tool call `arguments` so nested, which the chat
+route parses again; an integer of more digits than Python's `int` reads there fails
+it with a `ValueError`, answered "Value error." (`unreadable`). An integer past int64
+(a `seed`, `top_k`, a stop token id) passes the routes' checks and fails later: as
+MAX's request queue serializes it, or in the model worker, whose exit stops the
+server. All four are the client's mistake, as is a
 number that is not finite (JSON's `NaN`, which Python's parser reads), which MAX's
 range checks of `top_p` and `min_p` let through to the sampler, and a chat's
 `chat_template_kwargs` naming an argument the tokenizer passes itself as it renders
@@ -43,8 +46,9 @@ range (`SamplingParams`) and a model name the server does not serve
 same check as `InputError`, so the answer is 400 with that message. The wrapper also
 answers `/v1/embeddings` 404 on this text generation server (`refuses_embeddings`).
 And the routes read `seed` 0 as no seed, so a client's seed 0 sampled differently each
-time, and a chat's `top_logprobs` 0 beside `logprobs` as no log-probabilities; both
-are carried past them (`kept`). A chat's `logprobs` without `top_logprobs`, or with
+time, a chat's `top_logprobs` 0 beside `logprobs` as no log-probabilities, and a
+`response_format` of type "text" as a JSON constraint; all three are carried past
+them (`kept`). A chat's `logprobs` without `top_logprobs`, or with
 0, then gets each token's log-probability with the one alternative the routes ask
 the worker for; OpenAI's and vLLM's answers have none, so each token's alternatives
 are cut to the count asked (`ALTERNATIVES`, `alternatives_asked`).
@@ -56,8 +60,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import reprlib
+import sys
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -108,6 +114,39 @@ def integers(value: Any) -> list[int]:
     return [value] if isinstance(value, int) and not isinstance(value, bool) else []
 
 
+def unreadable(error: Exception, what: str) -> InputError | None:
+    """`InputError` naming `what` for JSON that Python's parser cannot read though it is
+    well formed (nested past its recursion, or an integer of more digits than `int`
+    converts: a `ValueError` the routes answer "Value error."), else None."""
+    if isinstance(error, RecursionError):
+        return InputError(f"{what} cannot be read: nested too deep.")
+    if isinstance(error, ValueError) and "integer string conversion" in str(error):
+        return InputError(f"{what} cannot be read: an integer of more than "
+                          f"{sys.get_int_max_str_digits()} digits, past the 64-bit integers "
+                          "a request can carry.")
+    return None
+
+
+def check_tool_call_arguments(messages: Any) -> None:
+    """Raises `InputError` for an assistant message's tool call whose `arguments` the chat
+    route's own `json.loads` would fail with other than a `JSONDecodeError` (which it
+    answers 400 itself): nested past recursion (a 500) or an integer too long to read."""
+    for message in messages or ():
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(arguments, str):
+                continue
+            try:
+                json.loads(arguments)
+            except (RecursionError, ValueError) as error:
+                if refused := unreadable(
+                    error, f"the arguments of tool call {reprlib.repr(call.get('id'))}"
+                ):
+                    raise refused from None
+
+
 def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> None:
     """Raises `InputError` for `chat_template_kwargs` naming a `RENDERING_ARGUMENTS`."""
     for key in sorted(set(kwargs or ()) & RENDERING_ARGUMENTS):
@@ -144,6 +183,7 @@ def check(body: Any) -> None:
                 raise InputError(f"a content part of type {reprlib.repr(part.get('type'))} "
                                  "is not served: this server reads text parts only.")
     check_template_kwargs(getattr(body, "chat_template_kwargs", None))
+    check_tool_call_arguments(getattr(body, "messages", None))
     if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
         raise InputError(
             "echo without logprobs is not served: this server echoes the prompt's "
@@ -218,11 +258,17 @@ def unforced_tool_calls(app: Any) -> str | None:
 
 
 def kept(body: Any) -> None:
-    """`body` set so the routes read two values as the client meant them, not as none:
-    `seed` 0 (`SeedZero`), and a chat's `top_logprobs` 0 beside `logprobs`, which the
-    routes pass on as no log-probabilities at all. A count of 0 alternatives is asked
-    of the model worker as 1 (each token's log-probability comes with its best
-    alternative), since the worker reads 0 as none."""
+    """`body` set so the routes read three values as the client meant them: `seed` 0
+    (`SeedZero`) and a chat's `top_logprobs` 0 beside `logprobs`, which the routes pass
+    on as none (no seed, no log-probabilities at all), and a `response_format` of type
+    "text", OpenAI's default, which they pass on as a constraint to any JSON value (with
+    `--enable-structured-output`; a server with a tool parser and without it stops as
+    it builds the constraint). A count of 0 alternatives is asked of the model worker
+    as 1 (each token's log-probability comes with its best alternative), since the
+    worker reads 0 as none."""
+    format = getattr(body, "response_format", None)
+    if isinstance(format, dict) and format.get("type") == "text":
+        body.response_format = None
     if body.seed == 0:
         body.seed = SeedZero(0)
     if getattr(body, "top_logprobs", None) == 0 and getattr(body, "logprobs", None) is True:
@@ -286,6 +332,22 @@ def refuses_embeddings(get_pipeline: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
+def all_or_none(complete: Callable[..., Any]) -> Callable[..., Any]:
+    """`complete` (the completions route's answer to a body's requests, one a prompt),
+    each request's context made before any is queued. The route runs them together
+    (`asyncio.gather`), so a prompt refused there (a token id outside the vocabulary, a
+    prompt past the window) was answered 400 while the body's other prompts, already
+    queued, generated to their end for no one."""
+    @functools.wraps(complete)
+    async def checked(self: Any, requests: list[Any]) -> Any:
+        if len(requests) > 1:
+            for request in requests:
+                await self.pipeline.tokenizer.new_context(request)
+        return await complete(self, requests)
+
+    return checked
+
+
 class SeedZero(int):
     """A client's `seed` 0, true as a truth value (why: `kept`); `CheckedSamplingParams`
     makes it a plain 0 again."""
@@ -310,8 +372,9 @@ class CheckedSamplingParams(SamplingParams):
 def install() -> None:
     """Wraps the routes' body parser with `check`, `check_settings` and `kept` for
     completions and chat bodies, their `SamplingParams` with `raises_input_error`,
-    their `get_pipeline` with that and `refuses_embeddings`, and their chat
-    log-probabilities with `alternatives_asked` (once)."""
+    their `get_pipeline` with that and `refuses_embeddings`, their chat
+    log-probabilities with `alternatives_asked`, and their answer to several prompts
+    with `all_or_none` (once)."""
     original = openai_routes._parse_openai_request_body
     if getattr(original, "checks_bodies", False):
         return
@@ -319,15 +382,19 @@ def install() -> None:
     openai_routes.get_pipeline = refuses_embeddings(raises_input_error(openai_routes.get_pipeline))
     openai_routes._process_chat_log_probabilities = alternatives_asked(
         openai_routes._process_chat_log_probabilities)
+    generator = openai_routes.OpenAICompletionResponseGenerator
+    generator.complete = all_or_none(generator.complete)  # type: ignore[method-assign]
 
     async def parse(request: Any, request_id: str, model_cls: type) -> Any:
         try:
             body = await original(request, request_id, model_cls)
-        except RecursionError:  # `json.loads` of a body nested past Python's recursion
-            raise InputError("the request body nests too deep to be read.") from None
         except UnicodeDecodeError as error:  # a ValueError, which the routes answer unnamed
             raise InputError(f"the request body is not UTF-8: {error.reason} at byte "
                              f"{error.start}.") from None
+        except (RecursionError, ValueError) as error:  # the routes' `json.loads`
+            if refused := unreadable(error, "the request body"):
+                raise refused from None
+            raise
         if model_cls in (openai_routes.CreateCompletionRequest,
                          openai_routes.CreateChatCompletionRequest):
             check(body)

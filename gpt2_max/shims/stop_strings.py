@@ -64,14 +64,31 @@ def ends_unfinished(
 
 
 def tokens_to_stop(
-    before: list[int], ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str]
+    before: list[int], ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str],
+    free: int = 0,
 ) -> int:
     """How many of a chunk's `ids` it takes, after the tokens `before` it, for the
-    text to hold a stop string (all of them when no shorter run does)."""
-    for n in range(1, len(ids)):
-        if first_stop(decode(before + ids[:n]), stops) is not None:
+    text to hold a stop string that ends past its first `free` tokens (all of them
+    when no shorter run does)."""
+    since = len(decode(before + ids[:free]))
+    for n in range(free + 1, len(ids)):
+        if first_stop(decode(before + ids[:n]), stops, since) is not None:
             return n
     return len(ids)
+
+
+def stop_free_chars(
+    before: list[int], ids: list[int], free: int, piece: str,
+    decode: Callable[[list[int]], str] | None,
+) -> int:
+    """How much of a chunk's text `piece` its first `free` tokens `ids` (after `before`)
+    wrote: none, all, or (with `decode`) what they decode to."""
+    if free <= 0 or not ids:
+        return 0
+    if free >= len(ids) or decode is None:
+        return len(piece) if free >= len(ids) else 0
+    wrote = len(decode(before + ids[:free])) - len(decode(before))
+    return min(max(wrote, 0), len(piece))
 
 
 PER_TOKEN = ("token_ids", "token_log_probabilities", "top_log_probabilities", "sampled_tokens")
@@ -118,11 +135,14 @@ async def cut_at_stops(
     scanner: StopScanner,
     stop_generating: Callable[[], None],
     decode: Callable[[list[int]], str] | None = None,
+    min_tokens: int = 0,
 ) -> AsyncGenerator[TokenGeneratorOutput, None]:
     """`chunks` with their text cut before the first stop string, ending at it.
 
     `decode` (token ids to text) finds the token that completes the stop in a
-    chunk of several; without it such a chunk keeps all its tokens.
+    chunk of several; without it such a chunk keeps all its tokens. No stop ends
+    in the first `min_tokens` tokens (a request's `min_tokens`, as vLLM reads it: MAX
+    keeps the model from ending before them, and a stop string did).
     """
     seen: list[int] = []
     held: TokenGeneratorOutput | None = None  # tokens whose text MAX still buffers
@@ -133,13 +153,16 @@ async def cut_at_stops(
             if not chunk.status.is_done and ends_unfinished(chunk, seen, decode):
                 held = chunk
                 continue
-            text = scanner.feed(chunk.decoded_tokens or "")
+            piece, ids = chunk.decoded_tokens or "", chunk.token_ids or []
+            free = max(0, min_tokens - len(seen))
+            split = stop_free_chars(seen, ids, free, piece, decode)
+            text = scanner.feed(piece[:split], stops=False) if split else ""
+            text += scanner.feed(piece[split:])
             if scanner.stopped:
                 if not chunk.status.is_done:
                     stop_generating()
-                ids = chunk.token_ids or []
                 if decode is not None and chunk.token_count == len(ids) > 1:
-                    chunk = up_to(chunk, tokens_to_stop(seen, ids, scanner.stops, decode))
+                    chunk = up_to(chunk, tokens_to_stop(seen, ids, scanner.stops, decode, free))
                 yield replace(chunk, decoded_tokens=sent(text, chunk),
                               status=GenerationStatus.END_OF_SEQUENCE)
                 return
@@ -182,6 +205,7 @@ def install(tokenizer_type: type) -> None:
         return cut_at_stops(
             chunks, StopScanner(stops), lambda: self.model_worker.cancel(request.request_id),
             lambda ids: delegate.decode(ids, skip_special_tokens=True),
+            request.sampling_params.min_tokens,
         )
 
     next_token_chunk.cuts_at_stops = True  # type: ignore[attr-defined]

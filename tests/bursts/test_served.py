@@ -47,6 +47,8 @@ def cases(greedy: list[int], text: str) -> dict[str, tuple[list[int], dict[str, 
             extra_body={"stop_token_ids": [greedy[2]], "min_tokens": 11})),
         "stop string in a burst": (PROMPT, dict(
             max_tokens=37, **GREEDY, stop=[text[len(text) // 3:][:3]])),
+        "min_tokens past a stop string": (PROMPT, dict(
+            max_tokens=37, **GREEDY, stop=[text[:4]], extra_body={"min_tokens": 11})),
         "a page boundary": (random_prompt(120, seed=4), dict(max_tokens=30, **GREEDY)),
         "the window's end": (random_prompt(TINY["n_positions"] - 13, seed=6),
                              dict(max_tokens=40, **GREEDY)),
@@ -137,6 +139,7 @@ def same_answers(reference: dict, got: dict, skip: Collection[str] = ()) -> None
     assert reference["stop token in a burst", False]["finish"] == "stop"
     assert len(reference["stop token in a burst", False]["tokens"]) <= 10
     assert len(reference["min_tokens past a stop token", False]["tokens"]) >= 11
+    assert len(reference["min_tokens past a stop string", False]["tokens"]) >= 11
     assert reference["stop string in a burst", False]["finish"] == "stop"
     assert reference["the window's end", False]["finish"] == "length"
     assert len(reference["the window's end", False]["tokens"]) == 13

@@ -1,6 +1,9 @@
 """`request_bodies`: the bodies MAX 26.7 answers 500 or answers without a field they set,
 and the sampling values it answers "Value error.", refused by name."""
 
+import asyncio
+import inspect
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -214,6 +217,44 @@ def test_the_routes_sampling_values_out_of_range_say_which():
         make(SamplingParamsInput(temperature=5.0), sampling_params_defaults=defaults)
 
 
+def tool_call(arguments):
+    return {"role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "f", "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ("[" * 5000, "the arguments of tool call 'c1' cannot be read: nested too deep"),
+    ('{"a": ' + "7" * 5000 + "}", "cannot be read: an integer of more than 4300 digits"),
+])
+def test_tool_call_arguments_the_chat_route_cannot_read_are_refused(arguments, message):
+    """The route's `json.loads` of them raises `RecursionError` (answered 500) or a
+    `ValueError` that is not a `JSONDecodeError` (answered "Value error.")."""
+    with pytest.raises((RecursionError, ValueError)) as raised:
+        openai_routes._validate_tool_message_consistency([tool_call(arguments)])
+    assert not isinstance(raised.value, json.JSONDecodeError | InputError)
+    with pytest.raises(InputError, match=message):
+        request_bodies.check(body(messages=[{"role": "user", "content": "hi"},
+                                            tool_call(arguments)]))
+
+
+@pytest.mark.parametrize("arguments", ['{"a": [1, 2]}', "not json", "", None, 5])
+def test_other_tool_call_arguments_are_left_to_the_route(arguments):
+    request_bodies.check(body(messages=[tool_call(arguments)]))
+
+
+@pytest.mark.parametrize("kind, kept_as", [
+    ("text", None), ("json_object", {"type": "json_object"}),
+])
+def test_a_text_response_format_is_none(kind, kept_as):
+    """MAX's route makes `{"type": "text"}` a constraint to any JSON value."""
+    made = openai_routes._create_response_format({"type": "text"}, True)
+    assert made is not None and made.grammar_enforced and made.json_schema == {}
+    body = SimpleNamespace(seed=None, response_format={"type": kind})
+    request_bodies.kept(body)
+    assert body.response_format == kept_as
+
+
 def test_a_seed_of_0_passes_the_routes_as_0():
     """The routes write `seed or randint(...)`; a client's 0 must not be the random one."""
     request_bodies.install()
@@ -284,3 +325,35 @@ def test_chat_log_probabilities_keep_the_alternatives_asked_for():
     assert counts == {None: [2, 2], 0: [0, 0], 1: [1, 1]}
     request_bodies.install()
     assert openai_routes._process_chat_log_probabilities is process  # not wrapped twice
+
+
+def test_a_body_s_prompts_are_all_made_before_any_is_queued():
+    """MAX's completions route runs a body's prompts with `asyncio.gather`: one refused
+    was answered 400 while the others, queued, generated for no one."""
+    queued, made = [], []
+
+    async def complete(self, requests):
+        queued.extend(requests)
+        return "answer"
+
+    async def new_context(request):
+        made.append(request)
+        if request == "bad":
+            raise InputError("refused")
+
+    generator = SimpleNamespace(pipeline=SimpleNamespace(
+        tokenizer=SimpleNamespace(new_context=new_context)))
+    checked = request_bodies.all_or_none(complete)
+    with pytest.raises(InputError, match="refused"):
+        asyncio.run(checked(generator, ["a", "b", "bad", "c"]))
+    assert made == ["a", "b", "bad"] and queued == []
+    assert asyncio.run(checked(generator, ["a", "b"])) == "answer" and queued == ["a", "b"]
+    made.clear()
+    assert asyncio.run(checked(generator, ["bad"])) == "answer"  # one prompt: the route's own
+    assert made == []
+
+
+def test_the_completions_route_answers_several_prompts_together():
+    """What `all_or_none` is for: the route's answer gathers them."""
+    source = inspect.getsource(openai_routes.OpenAICompletionResponseGenerator.complete)
+    assert "asyncio.gather" in source

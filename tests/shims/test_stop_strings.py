@@ -57,7 +57,9 @@ def test_chunks_are_cut_at_the_first_stop_and_nothing_after_it_is_read() -> None
             assert (status, read, cancelled) == (GenerationStatus.MAXIMUM_LENGTH, 8, 0)
 
 
-def cut_ids(groups: list[list[int]], stops: list[str], alphabet: str) -> tuple[list[int], int, str]:
+def cut_ids(
+    groups: list[list[int]], stops: list[str], alphabet: str, min_tokens: int = 0,
+) -> tuple[list[int], int, str]:
     """Token ids, token count and text the routes see when the worker sends `groups`."""
     decode = lambda ids: "".join(alphabet[i] for i in ids)  # noqa: E731
 
@@ -69,7 +71,7 @@ def cut_ids(groups: list[list[int]], stops: list[str], alphabet: str) -> tuple[l
                                        token_count=len(ids), token_ids=list(ids))
 
     async def run():
-        cut = cut_at_stops(source(), StopScanner(stops), lambda: None, decode)
+        cut = cut_at_stops(source(), StopScanner(stops), lambda: None, decode, min_tokens)
         return [c async for c in cut]
 
     out = asyncio.run(run())
@@ -92,6 +94,32 @@ def test_a_chunk_of_several_tokens_keeps_those_up_to_the_stop() -> None:
             groups.append(ids[at:at + size])
             at += size
         assert cut_ids(groups, stops, alphabet) == cut_ids([[i] for i in ids], stops, alphabet)
+
+
+def test_no_stop_ends_in_the_first_min_tokens_tokens() -> None:
+    """As vLLM reads `min_tokens` beside `stop`: a stop string counts only where it ends
+    past the first `min_tokens` tokens (it may begin before), whether the worker sends
+    one token a chunk or several."""
+    rng = random.Random(11)
+    alphabet = "ab c"
+    for _ in range(500):
+        ids = [rng.randrange(len(alphabet)) for _ in range(16)]
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+                 for _ in range(rng.randint(1, 3))]
+        least = rng.randint(0, 12)
+        text = "".join(alphabet[i] for i in ids)  # a character a token
+        ends = [(start + len(stop), -len(stop), start)
+                for stop in stops for start in range(len(text))
+                if text.startswith(stop, start) and start + len(stop) > least]
+        end, _, start = min(ends, default=(len(ids), 0, len(text)))
+        groups, at = [], 0
+        while at < len(ids):
+            size = rng.randint(1, 5)
+            groups.append(ids[at:at + size])
+            at += size
+        want = (ids[:end], end, text[:start])
+        assert cut_ids([[i] for i in ids], stops, alphabet, least) == want, (ids, stops, least)
+        assert cut_ids(groups, stops, alphabet, least) == want, (groups, stops, least)
 
 
 def served_ids(groups: list[list[int]], stops: list[str]) -> tuple[list[int], int, str]:
