@@ -51,6 +51,10 @@ MAX_DEPTH = 64
 """The JSON nesting a schema may have. Python's recursion, in this module's walks and in
 the engines' compilers, gives out near a thousand levels, and no schema a model is
 asked to follow needs a tenth of that."""
+MAX_REFS = 256
+"""The distinct local `$ref`s a schema may hold. Whether each has a finite value is
+found by reading again the definitions that use one each time it is found to have
+one, so a definition using them all is read once for each."""
 MAX_NUMBERS = 128
 """The number and integer subschemas a schema may hold. The server's xgrammar compiles
 each bounded number (`NUMBER_RULE`) to an automaton of its own, and their memory, in
@@ -68,7 +72,7 @@ def prepare(schema: Any, *, multiple_of: bool) -> Any:
     `multiple_of` adds the fraction limit as `multipleOf` (llguidance); without
     it the engine's own limit for bounded numbers applies (xgrammar).
     Raises `SchemaError` naming the cycle of a schema with no finite value, and for
-    one past `MAX_DEPTH` or `MAX_NUMBERS`.
+    one past `MAX_DEPTH`, `MAX_NUMBERS` or `MAX_REFS`.
     """
     check_size(schema)
     if cycle := infinite_cycle(schema):
@@ -160,7 +164,7 @@ def _resolve(schema: Any, ref: str) -> Any:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part in map(str, range(len(node))):
             node = node[int(part)]
         else:
             return None
@@ -273,11 +277,16 @@ def infinite_cycle(schema: Any) -> str | None:
     link); a schema blocked only by refs that lead back to themselves is named by
     one such cycle.
     """
-    refs = {ref: _resolve(schema, ref) for ref in _local_refs(schema, set())}
+    named = _local_refs(schema, set())
+    if len(named) > MAX_REFS:
+        raise SchemaError(
+            f"json_schema holds {len(named)} distinct $refs; at most {MAX_REFS} are served."
+        )
+    refs = {ref: _resolve(schema, ref) for ref in named}
     finite = {ref: target is None for ref, target in refs.items()}
     users: dict[str, set[str]] = {ref: set() for ref in refs}
     for ref, target in refs.items():
-        for used in _local_refs(target, set()):
+        for used in _local_refs(target, set()) & users.keys():
             users[used].add(ref)
     pending = [ref for ref in refs if not finite[ref]]
     while pending:

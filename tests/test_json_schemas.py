@@ -187,7 +187,7 @@ def diamonds(layers: int) -> dict:
 
 
 @pytest.mark.parametrize("schema, most", [
-    (chain(3000, {"type": "string"}), 5 * 3001),  # each link read once per link before it
+    (chain(250, {"type": "string"}), 5 * 251),  # each link read once per link before it
     (diamonds(40), 5 * 121),  # each followed along each of 2**40 paths
     ({"type": "array", "minItems": 10**12, "items": {"type": "string"}}, 2),  # once per item
 ])
@@ -211,10 +211,9 @@ def test_the_finite_value_check_reads_each_part_a_bounded_number_of_times(
 
 
 def test_a_long_cycle_is_named_by_its_ends() -> None:
-    """Followed without Python's recursion, which 3000 links would exhaust."""
     with pytest.raises(SchemaError) as refused:
-        prepare(chain(3000, {"$ref": "#/$defs/d0"}), multiple_of=False)
-    assert ("#/$defs/d3 (via property 'n') -> ... 2993 more ... -> #/$defs/d2997 (via "
+        prepare(chain(250, {"$ref": "#/$defs/d0"}), multiple_of=False)
+    assert ("#/$defs/d3 (via property 'n') -> ... 243 more ... -> #/$defs/d247 (via "
             "property 'n')") in str(refused.value)
     assert str(refused.value).endswith("-> #/$defs/d0 is required all the way round; make "
                                        "one property or item on that cycle optional.")
@@ -236,4 +235,30 @@ def test_keywords_of_the_wrong_shape_are_left_for_the_engine_to_name(schema) -> 
     """What the check cannot read blocks nothing (xgrammar refuses it in its own words:
     `tests/test_serve_structured_output.py`); it raised `AttributeError`, `TypeError` or
     `OverflowError`, answered 500."""
+    assert prepare(schema, multiple_of=False) is not None
+
+
+def test_a_cycle_is_followed_without_python_s_recursion(monkeypatch) -> None:
+    """A chain of 1,500 links raised `RecursionError` (answered 500)."""
+    monkeypatch.setattr(json_schemas, "MAX_REFS", 2000)
+    with pytest.raises(SchemaError, match="1493 more"):
+        prepare(chain(1500, {"$ref": "#/$defs/d0"}), multiple_of=False)
+
+
+def test_a_schema_of_more_refs_than_served_is_refused() -> None:
+    """Each ref found finite has the definitions using it read again: a definition using
+    2,000 refs was read 2,000 times (6 to 9 s of the API's event loop)."""
+    with pytest.raises(SchemaError, match="holds 258 distinct \\$refs; at most 256"):
+        prepare(chain(257, {"type": "string"}), multiple_of=False)
+
+
+@pytest.mark.parametrize("schema", [
+    {"default": {"$ref": "#/x"}, "$ref": "#/default"},  # a ref inside data, pointed at
+    {"type": "object", "properties": {"a": {"enum": [{"$ref": "#/b"}]}},
+     "anyOf": [{"$ref": "#/properties/a/enum/0"}]},
+    {"type": "array", "prefixItems": [{"type": "string"}], "anyOf": [
+        {"$ref": "#/prefixItems/\u00b2"}, {"$ref": "#/prefixItems/" + "0" * 5000},
+        {"$ref": "#/prefixItems/\u0660"}]},  # no index: superscript 2, 5000 zeros, Arabic 0
+])
+def test_refs_the_check_does_not_follow_pass_it(schema) -> None:
     assert prepare(schema, multiple_of=False) is not None

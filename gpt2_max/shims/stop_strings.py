@@ -70,7 +70,7 @@ def tokens_to_stop(
     """How many of a chunk's `ids` it takes, after the tokens `before` it, for the
     text to hold a stop string that ends past its first `free` tokens (all of them
     when no shorter run does)."""
-    since = len(decode(before + ids[:free]))
+    since = len(decode(before + ids[:free]).rstrip(UNFINISHED))
     for n in range(free + 1, len(ids)):
         if first_stop(decode(before + ids[:n]), stops, since) is not None:
             return n
@@ -82,12 +82,13 @@ def stop_free_chars(
     decode: Callable[[list[int]], str] | None,
 ) -> int:
     """How much of a chunk's text `piece` its first `free` tokens `ids` (after `before`)
-    wrote: none, all, or (with `decode`) what they decode to."""
+    wrote: none, all, or (with `decode`) the characters they finish (a character a
+    later token finishes is that token's)."""
     if free <= 0 or not ids:
         return 0
     if free >= len(ids) or decode is None:
         return len(piece) if free >= len(ids) else 0
-    wrote = len(decode(before + ids[:free])) - len(decode(before))
+    wrote = len(decode(before + ids[:free]).rstrip(UNFINISHED)) - len(decode(before))
     return min(max(wrote, 0), len(piece))
 
 
@@ -205,7 +206,7 @@ def install(tokenizer_type: type) -> None:
         return cut_at_stops(
             chunks, StopScanner(stops), lambda: self.model_worker.cancel(request.request_id),
             lambda ids: delegate.decode(ids, skip_special_tokens=True),
-            request.sampling_params.min_tokens,
+            request.sampling_params.min_new_tokens,
         )
 
     next_token_chunk.cuts_at_stops = True  # type: ignore[attr-defined]

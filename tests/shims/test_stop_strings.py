@@ -122,7 +122,9 @@ def test_no_stop_ends_in_the_first_min_tokens_tokens() -> None:
         assert cut_ids(groups, stops, alphabet, least) == want, (groups, stops, least)
 
 
-def served_ids(groups: list[list[int]], stops: list[str]) -> tuple[list[int], int, str]:
+def served_ids(
+    groups: list[list[int]], stops: list[str], min_tokens: int = 0,
+) -> tuple[list[int], int, str]:
     """Ids, count and text the routes see when the worker sends GPT-2 tokens in `groups`,
     each chunk's text made by MAX's own buffered detokenizer (which holds back a token
     that ends inside a UTF-8 character), the stop's tokens found by the tokenizer's
@@ -141,7 +143,8 @@ def served_ids(groups: list[list[int]], stops: list[str]) -> tuple[list[int], in
 
     async def run():
         cut = cut_at_stops(source(), StopScanner(stops), lambda: None,
-                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                           min_tokens)
         return [c async for c in cut]
 
     out = asyncio.run(run())
@@ -170,6 +173,23 @@ def test_a_stop_completed_inside_an_unfinished_character_counts_the_same_in_ever
         got_ids, count, text = served_ids(groups, [stop])
         assert (got_ids, count) == want, size
         assert text == "Taselage \u2014 two COMMUN things".split(stop)[0], size
+
+
+@pytest.mark.parametrize("least", [4, 5])
+def test_a_character_finished_past_min_tokens_is_past_it(least):
+    """The 4th token is a space and the dash's first byte, the 6th its last: a stop on
+    the dash ends at the 6th token, past `min_tokens` 4 or 5, and counts there; it was
+    taken for text of the first tokens, and the answer ran to the second dash."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    dash = [tokenizer.convert_tokens_to_ids(t) for t in ("\u0120\u00e2", "\u0122", "\u0136")]
+    ids = [*tokenizer.encode("Taselage"), *dash, *tokenizer.encode(" two COMMUN things"),
+           *dash, *tokenizer.encode(" end")]
+    assert tokenizer.decode(ids) == "Taselage \u2014 two COMMUN things \u2014 end"
+    assert tokenizer.decode(ids[:len(tokenizer.encode("Taselage")) + 3]).endswith("\u2014")
+    first = len(tokenizer.encode("Taselage")) + 3
+    for size in range(1, len(ids) + 1):
+        groups = [ids[at:at + size] for at in range(0, len(ids), size)]
+        assert served_ids(groups, ["\u2014"], least) == (ids[:first], first, "Taselage "), size
 
 
 def test_a_chunk_cut_to_no_text_keeps_its_log_probabilities_and_no_other_is_sent_empty():
