@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from max.dtype import DType
@@ -33,10 +34,10 @@ from . import encodings
 from .names import PACKAGE
 from .settings import settings
 from .shims.internals import quantization_encoding
-from .weights.files import tokenizer_files_named
+from .weights.files import VOCABULARY_FILES, tokenizer_files_named
 from .weights.formats import check_complete
 from .weights.plan import WeightPlan
-from .weights.schema import HEAD_WEIGHT, feed_forward_size, ties_word_embeddings
+from .weights.schema import HEAD_WEIGHT, CheckpointError, feed_forward_size, ties_word_embeddings
 
 #: The `activation_function` values transformers accepts for GPT-2, mapped to the
 #: name `gpt2.activation` implements. The three tanh-approximated GELUs are one
@@ -79,6 +80,13 @@ def tokenizer_vocab_size(model_path: str, revision: str | None, trust_remote_cod
         CheckpointError: the tokenizer files of the folder `model_path` do not load,
             naming the file (or the files) to restore (`weights.files.tokenizer_files_named`).
     """
+    folder = Path(model_path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        raise CheckpointError(
+            f"{folder} holds no tokenizer ({' or '.join(VOCABULARY_FILES)}, with "
+            "merges.txt): transformers builds an empty one from such a folder, which "
+            "reads every prompt as no tokens. Copy the model's own tokenizer files there."
+        )
     with tokenizer_files_named(model_path):
         return len(
             AutoTokenizer.from_pretrained(
@@ -124,6 +132,12 @@ def validate_huggingface_config(hf_config: Any) -> None:
         raise UnsupportedCheckpointError(
             f"n_embd ({hf_config.n_embd}) must be divisible by n_head "
             f"({hf_config.n_head})."
+        )
+    epsilon = hf_config.layer_norm_epsilon
+    if not isinstance(epsilon, int | float) or not 0 < epsilon < math.inf:
+        raise UnsupportedCheckpointError(
+            f"layer_norm_epsilon must be a positive number, got {epsilon!r}: MAX's layer "
+            "norm takes no other."
         )
     n_inner = getattr(hf_config, "n_inner", None)
     if n_inner is not None and (not isinstance(n_inner, int) or n_inner <= 0):

@@ -61,6 +61,7 @@ from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
 from .shims.request_bodies import refusal
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
+from .weights.schema import CheckpointError
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 """The real GPT-2 tokenizer, vendored so nothing needs the network."""
@@ -92,6 +93,15 @@ class GPT2TextTokenizer(TextTokenizer):
             pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
         )
         self.echo_enabled = pipeline_config.model.enable_echo
+        vocab_size = pipeline_config.model.huggingface_config.vocab_size
+        if outside := sorted(i for i in self.eos_token_ids if not 0 <= i < vocab_size):
+            raise CheckpointError(
+                f"the model's end-of-text token ids {outside} lie outside its vocabulary "
+                f"of {vocab_size} (config.json vocab_size); MAX takes them from the "
+                "tokenizer and the eos_token_id of config.json and generation_config.json. "
+                "A request's min_tokens masks them in the logits, which stops the model "
+                "worker: correct the file that names them."
+            )
 
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
         if request.echo and request.logprobs and not self.echo_enabled:

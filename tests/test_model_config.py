@@ -43,6 +43,11 @@ def test_every_listed_activation_is_accepted(name):
         (dict(n_embd=65), "n_embd (65) must be divisible by n_head (4)"),
         (dict(n_layer=0), "n_layer must be a positive integer"),
         (dict(n_inner=-1), "n_inner"),
+        # MAX's layer norm refuses them as the graph is built, naming no field.
+        (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon must be a positive number, got 0.0"),
+        (dict(layer_norm_epsilon=-1e-5), "got -1e-05"),
+        (dict(layer_norm_epsilon=float("nan")), "got nan"),
+        (dict(layer_norm_epsilon=float("inf")), "got inf"),
     ],
 )
 def test_unsupported_configs_are_refused_naming_the_field(overrides, message):

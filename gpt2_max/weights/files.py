@@ -27,6 +27,8 @@ class IncompleteCheckpointError(ValueError):
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 """GPT-2's tokenizer files, as a checkpoint folder holds them."""
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json")
+"""The files of those that hold the vocabulary: a folder needs one of them."""
 
 
 def unreadable_tokenizer_file(folder: Path) -> str | None:

@@ -131,6 +131,13 @@ def match_tensors(
             f"{source} holds the tensors of {blocks} block(s); the config's n_layer "
             f"is {hf_config.n_layer}."
         )
+    if blocks > hf_config.n_layer:  # a parameter of a block past them, not a foreign one
+        key = next(key for key, name, _ in found if name is not None
+                   and (m := _BLOCK_PARAMETER.fullmatch(name)) and int(m.group(1)) == blocks - 1)
+        raise CheckpointError(
+            f"{source} holds tensors of block {blocks - 1} ({key!r}); the config's n_layer "
+            f"is {hf_config.n_layer}."
+        )
     expected = expected_shapes(hf_config)
     matched = []
     for key, name, shape in found:

@@ -37,6 +37,7 @@ from gpt2_max.testing.reference import TINY, save_gguf, write_tiny_checkpoint
 from gpt2_max.tokenizer import GPT2TextTokenizer
 from gpt2_max.weights.files import TOKENIZER_FILES
 from gpt2_max.weights.formats import formats
+from gpt2_max.weights.schema import CheckpointError
 
 pytestmark = pytest.mark.tier("fuzz")
 
@@ -166,6 +167,32 @@ def test_tokenizer_files_that_parse_but_make_no_tokenizer_are_named(originals, t
     path = folder / "tokenizer.json"
     path.write_text(path.read_text().replace('"id":', '"ix":', 1))
     assert outcome(folder, ("tokenizer.json",)) == "CheckpointError"
+
+
+def test_a_folder_without_a_tokenizer_is_refused_saying_so(originals, tmp_path_factory):
+    """transformers builds an empty tokenizer from such a folder: the server started,
+    and read every text prompt as no tokens."""
+    folder = copy_of(originals, "safetensors", tmp_path_factory)
+    for name in TOKENIZER_FILES:
+        (folder / name).unlink()
+    with pytest.raises(CheckpointError, match="holds no tokenizer"):
+        open_checkpoint(folder)
+
+
+@pytest.mark.parametrize("where, eos", [
+    ("generation_config.json", [50256, 50257]), ("config.json", 2**40),
+])
+def test_end_of_text_ids_outside_the_vocabulary_are_refused(
+    originals, tmp_path_factory, where, eos
+):
+    """MAX stops on them, and masks them under `min_tokens`: past the logits (an
+    `IndexError` in the sampler), past int32 (an `OverflowError`), in the model worker."""
+    folder = copy_of(originals, "safetensors", tmp_path_factory)
+    path = folder / where
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "eos_token_id": eos}))
+    with pytest.raises(CheckpointError, match=r"end-of-text token ids \[.*\] lie outside"):
+        open_checkpoint(folder)
 
 
 def test_open_checkpoint_opens_the_originals(originals: dict[str, Any]) -> None:

@@ -119,10 +119,15 @@ def put(name: str, array: np.ndarray):
         ),
         (
             put("h.9.ln_1.weight", np.ones(64, np.float32)),
-            "unexpected tensor 'h.9.ln_1.weight'",
+            "holds tensors of block 9 ('h.9.ln_1.weight'); the config's n_layer is 2",
+        ),
+        (
+            put("h.0.ln_3.weight", np.ones(64, np.float32)),
+            "unexpected tensor 'h.0.ln_3.weight': not a GPT2LMHeadModel parameter",
         ),
     ],
-    ids=["missing", "wrong-shape", "not-transposed", "wrong-dtype", "unexpected"],
+    ids=["missing", "wrong-shape", "not-transposed", "wrong-dtype", "a-block-past-n-layer",
+         "unexpected"],
 )
 def test_broken_checkpoints_name_the_tensor(hub_checkpoint, edit, message):
     folder, config = hub_checkpoint
