@@ -44,9 +44,10 @@ class StopScanner:
     """Feeds text pieces in; releases only text that is certainly before any stop.
 
     Each feed looks only at what the piece can change, so a request's cost grows with
-    its text times its stops, not with their square: a stop completed now ends in the
-    piece, and the tail a stop could still complete is at most the piece longer than
-    the one before it (`held`), found by trying lengths from there down.
+    the length of its text times its stops, where a rescan of the whole text at each
+    piece grew with the square of that length: a stop completed now ends in the piece,
+    and the tail a stop could still complete is at most the piece longer than the one
+    before it (`held`), found by trying lengths from there down.
     """
 
     stops: Sequence[str]

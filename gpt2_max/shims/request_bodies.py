@@ -266,8 +266,8 @@ def kept(body: Any) -> None:
     it builds the constraint). A count of 0 alternatives is asked of the model worker
     as 1 (each token's log-probability comes with its best alternative), since the
     worker reads 0 as none."""
-    format = getattr(body, "response_format", None)
-    if isinstance(format, dict) and format.get("type") == "text":
+    response_format = getattr(body, "response_format", None)
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
         body.response_format = None
     if body.seed == 0:
         body.seed = SeedZero(0)
