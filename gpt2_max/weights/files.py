@@ -11,7 +11,7 @@ raising `IncompleteCheckpointError`; `formats.check_complete` runs each file's.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -94,8 +94,8 @@ def _check_entry(name: str, entry: object) -> None:
         raise ValueError(f"tensor {name!r} has data_offsets {offsets!r}")
 
 
-def safetensors_length(path: Path) -> int:
-    """The byte length `path`'s header implies: length field, header, tensor data.
+def safetensors_header(path: Path) -> tuple[int, object]:
+    """The length and the parsed JSON of `path`'s header.
 
     Raises:
         IncompleteCheckpointError: the length field claims a header longer than the
@@ -109,7 +109,16 @@ def safetensors_length(path: Path) -> int:
                 f"{path.name} is damaged or truncated: its first 8 bytes claim a "
                 f"{header_length}-byte header, the file has {size} bytes."
             )
-        header = json.loads(f.read(header_length))
+        return header_length, json.loads(f.read(header_length))
+
+
+def safetensors_length(path: Path) -> int:
+    """The byte length `path`'s header implies: length field, header, tensor data.
+
+    Raises:
+        IncompleteCheckpointError: see `safetensors_header`.
+    """
+    header_length, header = safetensors_header(path)
     if not isinstance(header, dict):
         raise ValueError(f"the header is {type(header).__name__}, not an object")
     if not set(header) - {"__metadata__"}:
@@ -121,6 +130,28 @@ def safetensors_length(path: Path) -> int:
         default=0,
     )
     return HEADER_LENGTH_BYTES + header_length + data
+
+
+def check_distinct(paths: Iterable[Path]) -> None:
+    """Raises `CheckpointError` naming a parameter that two tensors of the safetensors
+    files `paths` (checked whole) both hold, under its hub name or transformers' (the
+    adapter keeps one of them). MAX reads every safetensors file under a checkpoint
+    folder, subfolders too, whatever an index names, and takes each tensor from one of
+    them: an older copy left beside the checkpoint was mixed into it, tensor by tensor.
+    """
+    seen: dict[str, tuple[Path, str]] = {}
+    for path in paths:
+        for name in safetensors_header(path)[1]:
+            if name == "__metadata__":
+                continue
+            first = seen.setdefault(name.removeprefix("transformer."), (path, name))
+            if first != (path, name):
+                where = (f"{path} holds both {first[1]!r} and {name!r}" if first[0] == path
+                         else f"{first[1]!r} is in both {first[0]} and {path}")
+                raise CheckpointError(
+                    f"{where}: MAX reads every safetensors file of the folder and each "
+                    "tensor from one of them. Keep one copy of the checkpoint there."
+                )
 
 
 def check_safetensors(path: Path) -> None:

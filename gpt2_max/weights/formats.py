@@ -24,7 +24,7 @@ from max.dtype import DType
 from max.graph.weights import SafetensorWeights, WeightData, Weights, WeightsFormat
 
 from .. import extensions
-from .files import check_safetensors
+from .files import check_distinct, check_safetensors
 from .safetensors import convert_safetensor_state_dict
 from .schema import parameter_count
 
@@ -85,11 +85,15 @@ def held_bytes(paths: Iterable[Any], hf_config: Any) -> int | None:
 
 
 def check_complete(paths: Iterable[Path]) -> None:
-    """Raises `IncompleteCheckpointError` naming the first damaged or truncated weight file."""
+    """Raises `IncompleteCheckpointError` naming the first damaged or truncated weight
+    file, and `CheckpointError` naming a parameter two safetensors tensors hold
+    (`files.check_distinct`)."""
     known = {format.suffix: format for format in formats()}
+    paths = list(paths)
     for path in paths:
         if format := known.get(path.suffix):
             format.check(path)
+    check_distinct(path for path in paths if path.suffix == SAFETENSORS.suffix)
 
 
 def release(weights: Weights) -> None:
