@@ -118,16 +118,16 @@ def _types(node: dict[str, Any]) -> set[str]:
     return {k for k in kinds if isinstance(k, str)}
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _count(value: Any) -> int | None:
     """A count keyword's value (`minItems`), or None where it is not a whole number,
     which the engines refuse in their own words."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not _number(value):
         return None
     return int(value) if isinstance(value, int) or value.is_integer() else None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _bound(node: Any, multiple_of: bool) -> None:

@@ -79,10 +79,10 @@ def held_excess(
         if held is None:
             return 0
     else:
-        rows = parameter_count(huggingface_config) + (
+        values = parameter_count(huggingface_config) + (
             config.head_rows - config.vocab_size
         ) * config.hidden_size
-        held = rows * config.dtype.size_in_bytes
+        held = values * config.dtype.size_in_bytes
     return max(0, held - file_bytes())
 
 

@@ -89,11 +89,9 @@ class GPT2TextTokenizer(TextTokenizer):
     ) -> None:
         with tokenizer_files_named(model_path):
             super().__init__(model_path, pipeline_config, **kwargs)
-        self.valid_token_ids = usable_vocab_size(
-            pipeline_config.model.huggingface_config.vocab_size, self.tokenizer_vocab_size
-        )
-        self.echo_enabled = pipeline_config.model.enable_echo
         vocab_size = pipeline_config.model.huggingface_config.vocab_size
+        self.valid_token_ids = usable_vocab_size(vocab_size, self.tokenizer_vocab_size)
+        self.echo_enabled = pipeline_config.model.enable_echo
         if outside := sorted(i for i in self.eos_token_ids if not 0 <= i < vocab_size):
             raise CheckpointError(
                 f"the model's end-of-text token ids {outside} lie outside its vocabulary "

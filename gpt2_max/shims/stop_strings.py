@@ -63,6 +63,12 @@ def ends_unfinished(
     return decode(before[-CHARACTER_TOKENS:] + chunk.token_ids).endswith(UNFINISHED)
 
 
+def finished(ids: list[int], decode: Callable[[list[int]], str]) -> int:
+    """How many characters `ids` finish: their text but an unfinished character at its
+    end, which the token that finishes it writes."""
+    return len(decode(ids).rstrip(UNFINISHED))
+
+
 def tokens_to_stop(
     before: list[int], ids: list[int], stops: Sequence[str], decode: Callable[[list[int]], str],
     free: int = 0,
@@ -70,7 +76,7 @@ def tokens_to_stop(
     """How many of a chunk's `ids` it takes, after the tokens `before` it, for the
     text to hold a stop string that ends past its first `free` tokens (all of them
     when no shorter run does)."""
-    since = len(decode(before + ids[:free]).rstrip(UNFINISHED))
+    since = finished(before + ids[:free], decode)
     for n in range(free + 1, len(ids)):
         if first_stop(decode(before + ids[:n]), stops, since) is not None:
             return n
@@ -88,7 +94,7 @@ def stop_free_chars(
         return 0
     if free >= len(ids) or decode is None:
         return len(piece) if free >= len(ids) else 0
-    wrote = len(decode(before + ids[:free]).rstrip(UNFINISHED)) - len(decode(before))
+    wrote = finished(before + ids[:free], decode) - len(decode(before))
     return min(max(wrote, 0), len(piece))
 
 
