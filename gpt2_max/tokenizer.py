@@ -14,7 +14,10 @@ which MAX answers with one), and so is each check MAX's context makes of a reque
 A request's `stop_token_ids` stop it under `ignore_eos` too (`create_eos_tracker`),
 and a `top_k` past the vocabulary, which would stop the worker, is cut to it. A
 request echoing its prompt's log-probabilities reads nothing from the prefix cache,
-whose hits would leave the cached tokens without theirs.
+whose hits would leave the cached tokens without theirs. A checkpoint whose
+`generation_config.json` sets sampling defaults MAX would refuse in every request
+that leaves them unset is refused at load, as are end-of-text ids outside the
+vocabulary.
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
@@ -49,6 +52,7 @@ import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
 from max.pipelines.context import EOSTracker, TextContext
 from max.pipelines.context.exceptions import InputError
+from max.pipelines.context.sampling_params import SamplingParams, SamplingParamsInput
 from max.pipelines.lib import PipelineConfig, TextTokenizer
 from max.pipelines.modeling.types import (
     TextGenerationRequest,
@@ -100,6 +104,30 @@ class GPT2TextTokenizer(TextTokenizer):
                 "A request's min_tokens masks them in the logits, which stops the model "
                 "worker: correct the file that names them."
             )
+        self._check_sampling_defaults(pipeline_config)
+
+    def _check_sampling_defaults(self, pipeline_config: PipelineConfig) -> None:
+        """Refuses sampling defaults of `generation_config.json` that MAX refuses.
+
+        MAX puts the defaults into every request that leaves them unset and checks
+        them there: a `temperature` of -1, say, answered every such request 400
+        naming a value the client never sent, and a `min_new_tokens` past the window
+        refused every request, each as the client's fault.
+        """
+        defaults = pipeline_config.model.sampling_params_defaults
+        try:
+            params = SamplingParams.from_input_and_generation_config(
+                SamplingParamsInput(), defaults)
+            if self.max_length and params.min_new_tokens >= self.max_length:
+                raise ValueError(f"min_new_tokens ({params.min_new_tokens}) leaves no room "
+                                 f"for a prompt in the window of {self.max_length} tokens")
+        except (ValueError, TypeError) as error:
+            named = ", ".join(f"{k}={v!r}" for k, v in defaults.values_to_update.items())
+            raise CheckpointError(
+                f"generation_config.json sets sampling defaults ({named}) that MAX refuses "
+                f"({str(error).rstrip('.')}). Every request that leaves them unset would be "
+                "refused: correct or remove the field."
+            ) from None
 
     async def new_context(self, request: TextGenerationRequest) -> TextContext:
         if request.echo and request.logprobs and not self.echo_enabled:

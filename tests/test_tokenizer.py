@@ -11,6 +11,7 @@ import pytest
 from jinja2 import TemplateSyntaxError
 from max.pipelines.context import SamplingParams
 from max.pipelines.context.exceptions import InputError
+from max.pipelines.lib import PipelineArgs, PipelineConfig
 from max.pipelines.modeling.types import (
     RequestID,
     TextGenerationRequest,
@@ -19,6 +20,7 @@ from max.pipelines.modeling.types import (
 from transformers import AutoTokenizer
 
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, TOKENIZER_DIR, GPT2TextTokenizer
+from gpt2_max.weights.schema import CheckpointError
 
 pytestmark = pytest.mark.tier("unit")
 
@@ -112,3 +114,34 @@ def test_own_stop_tokens_stop_a_request_that_ignores_eos(checkpoints, max_models
     assert stops(ignore_eos=True) == set()
     with pytest.raises(InputError, match="stop token id 60000 at position 0 is outside"):
         stops(stop_token_ids=[60000])
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize("defaults, why", [
+    ({"do_sample": True, "temperature": -1.0}, r"temperature must be in \[0.0, 2.0\], was -1.0"),
+    ({"top_p": 2.0}, r"top_p must be in \[0.0, 1.0\], was 2.0"),
+    ({"temperature": "hot"}, r"\(temperature='hot'\).*must be real number"),
+    ({"min_new_tokens": 64}, r"min_new_tokens \(64\) leaves no room for a prompt in the "
+                             r"window of 64 tokens"),
+    ({"do_sample": False, "repetition_penalty": 1.3, "min_new_tokens": 63}, None),
+])
+def test_sampling_defaults_max_would_refuse_in_every_request_are_refused_at_load(
+    gpt2_max_checkpoint, tmp_path, defaults, why
+):
+    """MAX puts `generation_config.json`'s sampling defaults into every request that
+    leaves them unset and checks them there: each such request was answered 400 for
+    a value the client never sent. Defaults MAX takes still load."""
+    folder = shutil.copytree(gpt2_max_checkpoint, tmp_path / "defaults")
+    (folder / "generation_config.json").write_text(json.dumps(defaults))
+    config = PipelineConfig.from_args(PipelineArgs.from_flat_kwargs(
+        model_path=str(folder), custom_architectures=["gpt2_max"], device_specs="cpu"))
+
+    def load() -> GPT2TextTokenizer:
+        return GPT2TextTokenizer(str(folder), config, max_length=64)
+
+    if why is None:
+        assert load().max_length == 64
+        return
+    with pytest.raises(CheckpointError, match=f"generation_config.json sets sampling "
+                                              f"defaults .*{why}"):
+        load()
