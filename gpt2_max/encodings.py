@@ -23,19 +23,13 @@ class Encoding:
     package's kernel (`kernels/mojo/kquant.mojo`, specialised on the GGML type id:
     `KERNEL_TYPES`) and, where `flag` (MAX names exactly the block types it
     multiplies), by MAX's CPU `qmatmul` too, whichever `layers.kernel_choice` picks."""
-    half: bool = False
-    """What MAX reads a safetensors file saved in half precision as; the safetensors
-    adapter widens such tensors to float32 whatever the flag says."""
 
 
 ENCODINGS: dict[str, Encoding] = {
     # The default; F32/F16/BF16 GGUFs and safetensors of any float dtype load under it.
     "float32": Encoding(flag=True),
     # MAX's default on a GPU (it casts a float32 default there); GPU only.
-    "bfloat16": Encoding(flag=True, half=True),
-    # No flag: what MAX reads a float16 safetensors file as. Such a folder's files are
-    # named for MAX, so its graph is the device's default (`shims.weight_files`).
-    "float16": Encoding(flag=False, half=True),
+    "bfloat16": Encoding(flag=True),
     "q4_0": Encoding(flag=True, packed=True),
     "q4_k": Encoding(flag=True, packed=True),
     "q6_k": Encoding(flag=True, packed=True),
@@ -58,9 +52,6 @@ encoding's own dtype, uint8, is its packing)."""
 
 PACKED_TYPES = frozenset(name for name, e in ENCODINGS.items() if e.packed)
 """Block types whose matmul weights stay packed when a GGUF holds them."""
-
-HALF_PRECISION = frozenset(name for name, e in ENCODINGS.items() if e.half)
-"""The encodings of safetensors files saved in half precision."""
 
 KERNEL_TYPES = {
     name: int(gguf.GGMLQuantizationType[name.upper()]) for name in sorted(PACKED_TYPES)

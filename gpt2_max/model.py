@@ -41,6 +41,7 @@ from .max_cache import max_cache_dir
 from .model_config import GPT2ArchConfig
 from .names import PACKAGE
 from .tokenizer import GPT2TextTokenizer
+from .weights.files import holds_half_precision
 from .weights.formats import check_complete, release
 from .weights.plan import WeightPlan
 from .weights.schema import HEAD_WEIGHT
@@ -51,7 +52,7 @@ logger = logging.getLogger("max.pipelines")
 # The one place the shims are installed: both of `max serve`'s processes import this
 # module (the API process through `arch`; the model worker unpickles the pipeline
 # model's class and never imports `arch`), before MAX builds what they patch.
-shims.install(GPT2TextTokenizer, check_complete)
+shims.install(GPT2TextTokenizer, check_complete, holds_half_precision)
 
 FIRST_COMPILE_CORE_MINUTES = 4
 """A first start's graph and sampler compiles on the CPU, in minutes times CPU cores

@@ -116,10 +116,16 @@ def _warn_unchecked(version: str) -> None:
     )
 
 
-def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], None]) -> bool:
+def install(
+    tokenizer_type: type,
+    check_weight_files: Callable[[list[Path]], None],
+    half_precision: Callable[[list[Path]], bool],
+) -> bool:
     """Installs every shim for `tokenizer_type`'s requests on a checked MAX release and
     returns True; on another release installs none, warns once, returns False.
-    `check_weight_files` raises naming a damaged weight file (`weight_files`).
+    `check_weight_files` raises naming a damaged weight file; `half_precision` says
+    whether safetensors files hold a model saved in float16 or bfloat16
+    (`weight_files`).
 
     Idempotent, and safe for several architectures (or copies of this package)
     in one process: each adds its own tokenizer type.
@@ -130,7 +136,7 @@ def install(tokenizer_type: type, check_weight_files: Callable[[list[Path]], Non
     request_bodies.install()
     decisions.install()
     min_p.install()
-    weight_files.install(tokenizer_type, check_weight_files)
+    weight_files.install(tokenizer_type, check_weight_files, half_precision)
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)
     shared_sampler.install()

@@ -22,7 +22,10 @@ weights cannot be found"; on a GPU it reads a float16 folder's files as the
 `float16` encoding, which the architecture does not declare. The safetensors adapter
 widens each tensor to float32 whatever it was saved in, so such a folder needs only
 its files named (`half_float_files`), by their full paths: MAX reads no encoding in
-such a name, so the graph is the device's default or the one asked for.
+such a name, so the graph is the device's default or the one asked for. Whether a
+folder was saved in half precision is the architecture's answer, not MAX's encodings:
+those count the causal-mask buffers older GPT-2 checkpoints carry, which a folder
+saved in float16 often holds as uint8, read by MAX as a 4-bit float encoding.
 
 Installed by `shims.install`.
 """
@@ -36,10 +39,9 @@ from typing import Any
 from max.graph.weights import WeightsFormat
 from max.pipelines.lib.config.config import PipelineConfig
 
-from ..encodings import HALF_PRECISION
-
-_CHECKS: dict[type, Callable[[list[Path]], None]] = {}
-"""Per tokenizer type of an architecture, the check its weight files get here."""
+_CHECKS: dict[type, tuple[Callable[[list[Path]], None], Callable[[list[Path]], bool]]] = {}
+"""Per tokenizer type of an architecture, the check its weight files get here and the
+question whether they hold a model saved in half precision."""
 
 
 def local_weight_files(model: Any) -> list[Path]:
@@ -54,35 +56,38 @@ def local_weight_files(model: Any) -> list[Path]:
     return [folder / name for names in repo.weight_files.values() for name in names]
 
 
-def half_float_files(model: Any) -> list[Path]:
+def half_float_files(model: Any, half_precision: Callable[[list[Path]], bool]) -> list[Path]:
     """The safetensors files of `model`'s local checkpoint folder, by full path, when it
-    names none (`--weight-path`) and every weight file is safetensors saved in float16
-    or bfloat16 (`encodings.HALF_PRECISION`); else none."""
+    names none (`--weight-path`) and `half_precision` says its files hold the model
+    saved in float16 or bfloat16; else none."""
     repo = model.huggingface_weight_repo
     if model.weight_path or repo.repo_type != "local":
         return []
     files = repo.weight_files
     if set(files) != {WeightsFormat.safetensors}:
         return []
-    encodings = set(repo.supported_encodings)
-    if not encodings or not encodings <= HALF_PRECISION:
-        return []
-    return [Path(repo.local_path) / name for name in files[WeightsFormat.safetensors]]
+    paths = [Path(repo.local_path) / name for name in files[WeightsFormat.safetensors]]
+    return paths if half_precision(paths) else []
 
 
-def install(tokenizer_type: type, check: Callable[[list[Path]], None]) -> None:
+def install(
+    tokenizer_type: type,
+    check: Callable[[list[Path]], None],
+    half_precision: Callable[[list[Path]], bool],
+) -> None:
     """Runs `check` (which raises naming what is wrong) on the local weight files of
     `tokenizer_type`'s models before MAX resolves them, and names a half-precision
-    folder's files (`half_float_files`) for it (patched once)."""
-    _CHECKS[tokenizer_type] = check
+    folder's files (`half_float_files`, asking `half_precision`) for it (patched once)."""
+    _CHECKS[tokenizer_type] = (check, half_precision)
     original = PipelineConfig._model_with_resolved_weights
     if getattr(original, "checks_weight_files", False):
         return
 
     def resolved(model: Any, arch: Any) -> Any:
-        if (check := _CHECKS.get(arch.tokenizer)) is not None:
+        if (checks := _CHECKS.get(arch.tokenizer)) is not None:
+            check, half_precision = checks
             check(local_weight_files(model))
-            if named := half_float_files(model):
+            if named := half_float_files(model, half_precision):
                 model = model.model_copy(update={"weight_path": named})
         return original(model, arch)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .schema import CheckpointError
+from .schema import CAUSAL_MASK_BUFFERS, CheckpointError
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file starts with its JSON header's length, little-endian u64."""
@@ -152,6 +152,23 @@ def check_distinct(paths: Iterable[Path]) -> None:
                     f"{where}: MAX reads every safetensors file of the folder and each "
                     "tensor from one of them. Keep one copy of the checkpoint there."
                 )
+
+
+HALF_DTYPES = frozenset({"F16", "BF16"})
+"""The safetensors dtypes of a checkpoint saved in half precision."""
+
+
+def holds_half_precision(paths: Iterable[Path]) -> bool:
+    """Whether every parameter the safetensors files `paths` hold is float16 or bfloat16
+    (`HALF_DTYPES`). The causal-mask buffers older checkpoints carry are not
+    parameters: saved beside half-precision weights they are often uint8 or bool, and
+    MAX reads a uint8 tensor as a 4-bit float encoding."""
+    dtypes = {
+        entry["dtype"] for path in paths for name, entry in safetensors_header(path)[1].items()
+        if name != "__metadata__"
+        and not CAUSAL_MASK_BUFFERS.fullmatch(name.removeprefix("transformer."))
+    }
+    return bool(dtypes) and dtypes <= HALF_DTYPES
 
 
 def check_safetensors(path: Path) -> None:

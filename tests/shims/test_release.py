@@ -46,10 +46,11 @@ from max.serve.scheduler.text_generation_scheduler import TokenGenerationSchedul
 from gpt2_max import shims
 from gpt2_max.shims import fast_forward, release
 from gpt2_max.tokenizer import GPT2TextTokenizer
+from gpt2_max.weights.files import holds_half_precision
 from gpt2_max.weights.formats import check_complete
 
 print("version", release.max_version())
-print("installed again", shims.install(GPT2TextTokenizer, check_complete))
+print("installed again", shims.install(GPT2TextTokenizer, check_complete, holds_half_precision))
 patched = {
     "stop strings": getattr(TokenGeneratorPipeline.next_token_chunk, "cuts_at_stops", False),
     "structured output": getattr(PipelineConfig.from_args, "lifts_cpu_refusal", False),

@@ -23,7 +23,7 @@ from gpt2_max.testing.reference import (
     write_tiny_checkpoint,
 )
 from gpt2_max.tokenizer import GPT2TextTokenizer
-from gpt2_max.weights.files import IncompleteCheckpointError
+from gpt2_max.weights.files import IncompleteCheckpointError, holds_half_precision
 from gpt2_max.weights.formats import check_complete
 
 pytestmark = pytest.mark.tier("unit")
@@ -47,13 +47,13 @@ def test_a_damaged_file_of_this_architecture_is_named_before_maxs_resolution(tmp
     folder = write_tiny_checkpoint(tmp_path)
     weights = folder / "model.safetensors"
     weights.write_bytes((2**60).to_bytes(8, "little") + weights.read_bytes()[8:])
-    weight_files.install(GPT2TextTokenizer, check_complete)
+    weight_files.install(GPT2TextTokenizer, check_complete, holds_half_precision)
     resolve = PipelineConfig._model_with_resolved_weights
     assert resolve.checks_weight_files
     ours = SimpleNamespace(tokenizer=GPT2TextTokenizer)
     with pytest.raises(IncompleteCheckpointError, match="claim a 1152921504606846976-byte"):
         resolve(model_of(folder), ours)
-    weight_files.install(GPT2TextTokenizer, check_complete)
+    weight_files.install(GPT2TextTokenizer, check_complete, holds_half_precision)
     assert PipelineConfig._model_with_resolved_weights is resolve
 
 
@@ -65,7 +65,7 @@ def half(folder, dtype: str):
 def named(folder, weight_path=()):
     model = SimpleNamespace(huggingface_weight_repo=HuggingFaceRepo(str(folder)),
                             weight_path=list(weight_path))
-    return weight_files.half_float_files(model)
+    return weight_files.half_float_files(model, holds_half_precision)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -79,6 +79,34 @@ def test_a_half_precision_folder_gets_its_files_named(tmp_path, dtype):
     save_file({**state, "wpe.weight": state["wpe.weight"].float()}, mixed / "model.safetensors")
     assert named(mixed) == []  # MAX finds the float32 tensor's file
     assert named(write_tiny_checkpoint(tmp_path / "float32")) == []
+
+
+def with_mask_buffers(folder, dtype: torch.dtype):
+    """`folder` with its causal-mask buffers in `dtype`, as older transformers saved
+    them (uint8, later bool) beside the weights whatever their precision."""
+    state = load_file(folder / "model.safetensors")
+    masks = [name for name in state if name.endswith("attn.bias") and state[name].dim() == 4]
+    assert masks
+    save_file({**state, **{name: state[name].to(dtype) for name in masks}},
+              folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("buffers", [torch.uint8, torch.bool])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mask_buffers_of_another_dtype_leave_a_half_precision_folder_half(
+    tmp_path, dtype, buffers
+):
+    """MAX reads a uint8 tensor as the float4_e2m1fnx2 encoding, so it refused a float16
+    folder with uint8 masks ("compatible weights cannot be found for 'float32'"); the
+    masks are not parameters, and the adapter drops them."""
+    folder = with_mask_buffers(half(tmp_path, dtype), buffers)
+    assert named(folder) == [folder / "model.safetensors"]
+    weight_files.install(GPT2TextTokenizer, check_complete, holds_half_precision)
+    model = MAXModelConfig(model_path=str(folder), device_specs=[DeviceSpec.cpu()])
+    resolved = PipelineConfig._model_with_resolved_weights(model, gpt2_arch)
+    assert resolved.quantization_encoding == "float32"
+    assert [Path(p) for p in resolved.weight_path] == [folder / "model.safetensors"]
 
 
 RESOLVED = {
@@ -96,7 +124,7 @@ def test_maxs_resolution_of_a_half_precision_folder_is_a_float32_folders(
 ):
     """Through MAX's own resolution with the architecture (a GPU's is only a spec
     here): the device's default or the encoding asked for, and the folder's file."""
-    weight_files.install(GPT2TextTokenizer, check_complete)
+    weight_files.install(GPT2TextTokenizer, check_complete, holds_half_precision)
     folder = half(tmp_path, dtype)
     spec = DeviceSpec.cpu() if device == "cpu" else DeviceSpec.accelerator()
     model = MAXModelConfig(model_path=str(folder), device_specs=[spec],
