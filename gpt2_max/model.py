@@ -44,7 +44,7 @@ from .tokenizer import GPT2TextTokenizer
 from .weights.files import holds_half_precision
 from .weights.formats import check_complete, release
 from .weights.plan import WeightPlan
-from .weights.schema import HEAD_WEIGHT
+from .weights.schema import HEAD_WEIGHT, check_finite
 
 logger = logging.getLogger("max.pipelines")
 """MAX's pipeline logger: what `max serve` prints."""
@@ -189,6 +189,7 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
     def _prepare_state_dict(
         self, state_dict: dict[str, Any], model_config: GPT2ArchConfig
     ) -> dict[str, Any]:
+        check_finite(state_dict)
         return layers_for(model_config).prepare(state_dict)
 
     def _get_compile_input_types(self, model_config: GPT2ArchConfig) -> tuple[Any, ...]:

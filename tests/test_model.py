@@ -1,5 +1,6 @@
-"""The compiled model keeps its own weights, so the checkpoint file is let go; and the
-GPU's load and graph, cross-compiled here without a GPU.
+"""The compiled model keeps its own weights, so the checkpoint file is let go; weights
+holding NaN are refused before the compile; and the GPU's load and graph,
+cross-compiled here without a GPU.
 
 MAX reads CPU weights in place; the safetensors adapter copies every tensor and
 `GPT2PipelineModel.load_model` closes the file, whose pages would otherwise stay
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from max.pipelines import AutoModel
+from safetensors.torch import load_file, save_file
 
 from gpt2_max.model import GPU_BFLOAT16_WARNING, warn_if_known_wrong
 from gpt2_max.names import PACKAGE
@@ -27,6 +30,7 @@ from gpt2_max.testing.reference import (
     write_tiny_checkpoint,
 )
 from gpt2_max.testing.server import child_env, max_executable
+from gpt2_max.weights.schema import CheckpointError
 
 pytestmark = pytest.mark.tier("model")
 
@@ -41,6 +45,22 @@ def test_the_checkpoint_is_unmapped_and_the_model_still_exact(
     prompt = random_prompt(70, seed=4242)
     result = model.generate([prompt], max_new_tokens=16, top_k=1, ignore_eos=True)
     assert result.sequences[0][len(prompt):] == hf_greedy(hf_models("default"), prompt, 16)[0]
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_a_checkpoint_with_nan_weights_is_refused_before_the_compile(tmp_path, kind):
+    """It loaded and answered every request with tokens drawn from NaN logits."""
+    folder = write_tiny_checkpoint(tmp_path / "nan")
+    state = load_file(folder / "model.safetensors")
+    state["h.1.mlp.c_fc.weight"][3, :7] = float("nan")
+    save_file(state, folder / "model.safetensors")
+    weights = {}
+    if kind == "gguf":
+        path = save_gguf(load_reference(folder), tmp_path / "gguf", "f16")
+        folder, weights = path.parent, {"weight_path": [str(path)]}
+    with pytest.raises(CheckpointError, match=r"tensor 'h.1.mlp.c_fc.weight' holds 7 NaN"):
+        AutoModel(str(folder), max_batch_size=1, devices="cpu",
+                  custom_architectures=[PACKAGE], **weights)
 
 
 @pytest.mark.tier("unit")

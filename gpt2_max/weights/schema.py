@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
+from max.dtype import DType
 
 PROJECTIONS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """A block's linear layers: `Conv1D` on the hub, the matrices a decode step
@@ -162,3 +165,26 @@ def match_tensors(
             f"with shape {expected[missing[0]]}.{why}"
         )
     return matched
+
+
+def check_finite(state_dict: Mapping[str, Any]) -> None:
+    """Raises `CheckpointError` naming the first float parameter of an adapter's output
+    (`WeightData`) that holds a NaN or an infinity. Such a checkpoint (a fine-tune that
+    diverged, a float16 overflow at save) loads everywhere and answers with NaN logits:
+    tokens sampled from nothing, and NaN log-probabilities that JSON writes as null.
+    Packed GGUF blocks are not read: their scales lie inside the blocks, and finding
+    them would cost a dequantization at every start."""
+    for name, weight in state_dict.items():
+        if weight.dtype not in (DType.float32, DType.float16):
+            continue
+        values = np.from_dlpack(weight.data)
+        with np.errstate(over="ignore", invalid="ignore"):  # a pass without a mask's memory
+            if np.isfinite(values.sum(dtype=np.float32)):
+                continue
+        nan = int(np.count_nonzero(np.isnan(values)))
+        infinite = int(np.count_nonzero(np.isinf(values)))
+        if nan or infinite:
+            raise CheckpointError(
+                f"tensor {name!r} holds {nan} NaN and {infinite} infinite value(s) of "
+                f"{values.size}: the checkpoint is damaged, and every logit would be NaN."
+            )
