@@ -21,7 +21,8 @@ and `qmatmul` take, so nothing is transposed. Per tensor type:
   Embedding tables are dequantized to float32 at
   load: gathering packed rows and dequantizing them in the graph crashed MAX
   26.7's Q4_0 kernel on a GPT-2-sized table. A tied head still multiplies the packed
-  token table: the adapter hands it over as `lm_head.weight` too.
+  token table: the adapter hands it over as `lm_head.weight` too, unless the file
+  holds a packed `output.weight` of its own (`table_is_head`).
 - Other block types (Q4_1, IQ types, ...) have no kernel here; the `gguf`
   package dequantizes them to float32 here, and one log line lists them.
 - A type nothing can read fails the start naming the tensor and its type.
@@ -54,7 +55,9 @@ from ..shims.internals import gguf_reader
 from ..weights.hugepages import hugepage_array
 from ..weights.plan import packed_weight
 from ..weights.schema import (
+    HEAD_WEIGHT,
     CheckpointError,
+    expected_shapes,
     feed_forward_size,
     is_projection_weight,
     match_tensors,
@@ -77,7 +80,7 @@ GPT2_DEFAULTS = GPT2Config()
 
 def stays_packed(name: str) -> bool:
     """Whether a quantized tensor `name` is used packed (by a matmul)."""
-    return name == "lm_head.weight" or is_projection_weight(name)
+    return name == HEAD_WEIGHT or is_projection_weight(name)
 
 
 def stays_half(name: str) -> bool:
@@ -102,21 +105,38 @@ def held_as(name: str, qtype: Q, tied_head: bool) -> tuple[tuple[str, Held], ...
     if qtype in KEPT and name == "wte.weight" and tied_head:
         # A tied head over a packed table multiplies the blocks (a float copy would
         # cost 4-8x their bytes per decode step); the gather reads float rows.
-        return (("lm_head.weight", Held.PACKED), (name, Held.FLOAT32))
+        return ((HEAD_WEIGHT, Held.PACKED), (name, Held.FLOAT32))
     if qtype == Q.F16 and stays_half(name):
         return ((name, Held.HALF),)
     return ((name, Held.FLOAT32),)
 
 
+def table_is_head(tensors: Sequence[gguf.ReaderTensor], hf_config: Any) -> bool:
+    """Whether the LM head multiplies the token table: under a config that ties them,
+    unless the file holds a packed `output.weight`, which is then the head.
+
+    llama.cpp's converter writes GPT-2's tied head as `output.weight`, a copy of the
+    table, and its quantizer gives that copy a type of its own (Q6_K where the table
+    is Q4_K); llama.cpp multiplies by it. A folder's `config.json` from the hub ties
+    them all the same (`gpt2-max-gguf-config` writes one that does not). A float
+    `output.weight` is the table again and is dropped, as a tied head saved anyway."""
+    return ties_word_embeddings(hf_config) and not any(
+        tensor.name == "output.weight" and tensor.tensor_type in KEPT for tensor in tensors
+    )
+
+
 def held_bytes(paths: Sequence[Path], hf_config: Any) -> int:
     """Bytes the adapter hands over for the GGUF `paths`, read from their headers: what
     the fast layers hold (`memory_planner.held_excess`); tensors that are not GPT-2's,
-    which the load refuses, count nothing."""
-    tied_head = ties_word_embeddings(hf_config)
+    which the load refuses, and a head the table serves, count nothing."""
     total = 0
     for path in paths:
-        for tensor in gguf.GGUFReader(path).tensors:
+        tensors = gguf.GGUFReader(path).tensors
+        tied_head = table_is_head(tensors, hf_config)
+        for tensor in tensors:
             name = hub_name(tensor.name)
+            if name == HEAD_WEIGHT and tied_head:
+                continue
             for _, form in held_as(name, tensor.tensor_type, tied_head) if name else ():
                 total += (
                     int(tensor.n_bytes) if form is Held.PACKED
@@ -211,6 +231,18 @@ def _packed(name: str, tensor: gguf.ReaderTensor) -> WeightData:
     return packed_weight(writable(np.asarray(tensor.data)), name, tensor.tensor_type.name)
 
 
+def _own_head(tensor: gguf.ReaderTensor, hf_config: Any) -> WeightData:
+    """The file's packed `output.weight` as the head of a config that ties it
+    (`table_is_head`), where `match_tensors` drops a tied head."""
+    shape, table = tuple(int(d) for d in reversed(tensor.shape)), expected_shapes(hf_config)
+    if shape != table["wte.weight"]:
+        raise CheckpointError(
+            f"tensor 'output.weight' has shape {shape}; the config implies "
+            f"{table['wte.weight']}."
+        )
+    return _packed(HEAD_WEIGHT, tensor)
+
+
 def convert_gguf_state_dict(
     state_dict: dict[str, Weights], huggingface_config: Any, **unused_kwargs: Any
 ) -> dict[str, WeightData]:
@@ -229,8 +261,10 @@ def convert_gguf_state_dict(
         (key, hub_name(key), tuple(int(d) for d in reversed(tensors[key].shape.tolist())))
         for key in state_dict
     )
-    tied_head = ties_word_embeddings(huggingface_config)
+    tied_head = table_is_head(reader.tensors, huggingface_config)
     converted: dict[str, WeightData] = {}
+    if ties_word_embeddings(huggingface_config) and not tied_head:
+        converted[HEAD_WEIGHT] = _own_head(tensors["output.weight"], huggingface_config)
     dequantized: list[str] = []
     for key, name in match_tensors(
         found, huggingface_config, hub_layout=False, source="GGUF",

@@ -11,6 +11,7 @@ rest. Parity figures print with `-s`.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import shutil
@@ -29,7 +30,12 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from gpt2_max.gguf.adapter import convert_gguf_state_dict, held_bytes
 from gpt2_max.gguf.names import gguf_name
 from gpt2_max.gguf.quants import quantize
-from gpt2_max.testing.reference import hf_greedy, hf_on_gguf_weights, random_prompt
+from gpt2_max.testing.reference import (
+    hf_greedy,
+    hf_on_gguf_weights,
+    random_prompt,
+    save_gguf,
+)
 from gpt2_max.tokenizer import TOKENIZER_DIR
 from gpt2_max.tools.checkpoint import random_hub_state_dict
 from gpt2_max.tools.gguf_config import write_companion_files
@@ -190,6 +196,31 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(
     assert delta.mean() <= max_delta
 
 
+def test_a_tied_hub_config_serves_llama_cpps_own_head(quantized_model, tmp_path, max_models):
+    """A Q4_K_M file as llama.cpp writes GPT-2 (the tied head again as `output.weight`,
+    Q6_K beside a Q4_K table) beside the hub's `config.json`, which ties them, answers
+    as beside the config the file implies (`gpt2-max-gguf-config`'s, untied): the same
+    logits, bit for bit. Before, the tied config's head was the table's Q4_K blocks."""
+    untied = copy.deepcopy(quantized_model)
+    untied.lm_head.weight = torch.nn.Parameter(quantized_model.lm_head.weight.detach().clone())
+    untied.config.tie_word_embeddings = False
+    own = save_gguf(untied, tmp_path / "own", "q4_k_m")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(own).tensors}
+    assert (types["output.weight"], types["token_embd.weight"]) == (Q.Q6_K, Q.Q4_K)
+    hub = shutil.copytree(own.parent, tmp_path / "hub") / own.name
+    quantized_model.config.to_json_file(hub.parent / "config.json")
+    assert max_models(hub).pipeline_config.model.huggingface_config.tie_word_embeddings
+    prompts = [random_prompt(n, seed=n) for n in (1, 30)]
+    ours, theirs = (
+        max_models(path).generate(prompts, max_new_tokens=NEW_TOKENS, top_k=1,
+                                  ignore_eos=True, output_logits=True)
+        for path in (hub, own)
+    )
+    assert ours.sequences == theirs.sequences
+    for a, b in zip(ours.logits, theirs.logits, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # The adapter alone, on MAX's own GGUF reader: no graph is compiled.
 
 SMALL = GPT2Config(n_layer=1, n_embd=256, n_head=4, n_positions=8, vocab_size=512)
@@ -273,6 +304,29 @@ def test_held_bytes_are_what_the_adapter_hands_over(tmp_path, file_type, config)
     held = sum(np.asarray(weight.data).nbytes for weight in converted.values())
     assert held_bytes([path], config) == held
     assert held > sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize("file_type, own_head", [("q4_k_m", True), ("f16", False)])
+def test_a_head_llama_cpp_wrote_beside_a_tied_config(tmp_path, file_type, own_head):
+    """llama.cpp's converter writes GPT-2's tied head as `output.weight` and its
+    quantizer types it apart (Q6_K beside a Q4_K table), served with a hub
+    `config.json` that ties them: the packed one is the head llama.cpp multiplies by
+    (it was dropped, and the table's Q4_K blocks multiplied instead); a float one is
+    the table again and is dropped."""
+    tensors = gguf_tensors(UNTIED, random_hub_state_dict(UNTIED, seed=2), file_type)
+    path = write_tensors(tmp_path / "m.gguf", SMALL, tensors, file_type, TOKENIZER_DIR)
+    converted = adapt(path, SMALL)
+    assert held_bytes([path], SMALL) == sum(
+        np.asarray(weight.data).nbytes for weight in converted.values())
+    if not own_head:
+        assert "lm_head.weight" not in converted
+        return
+    head, qtype = tensors["output.weight"]
+    assert (qtype, tensors["token_embd.weight"][1]) == (Q.Q6_K, Q.Q4_K)
+    assert block_type(converted["lm_head.weight"]) == "q6_k"
+    np.testing.assert_array_equal(np.asarray(converted["lm_head.weight"].data), head)
+    assert np.from_dlpack(converted["wte.weight"]).dtype == np.float32
 
 
 @pytest.mark.tier("unit")
