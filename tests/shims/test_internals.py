@@ -102,10 +102,13 @@ def test_the_stop_patch_serves_several_tokenizer_types_and_patches_once() -> Non
     def check(paths):
         pass
 
-    shims.install(First, check)
+    def half_precision(paths):
+        return False
+
+    shims.install(First, check, half_precision)
     patched = TokenGeneratorPipeline.next_token_chunk
-    shims.install(Second, check)
-    shims.install(First, check)
+    shims.install(Second, check, half_precision)
+    shims.install(First, check, half_precision)
     assert TokenGeneratorPipeline.next_token_chunk is patched
     assert patched.cuts_at_stops
     assert stop_strings._TOKENIZER_TYPES.count(First) == 1
