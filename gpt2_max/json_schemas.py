@@ -157,6 +157,16 @@ def _bound(node: Any, multiple_of: bool) -> None:
             _bound(value, multiple_of)
 
 
+def _index(part: str, length: int) -> int | None:
+    """The list index a JSON pointer's `part` names in a list of `length` items, or
+    None: read off the digits, where listing the indices cost a pass over a long list
+    for each `$ref` into it."""
+    if not (part.isascii() and part.isdigit()) or len(part) > len(str(length)):
+        return None
+    index = int(part)
+    return index if index < length and str(index) == part else None
+
+
 def _resolve(schema: Any, ref: str) -> Any:
     """The subschema a local `$ref` (`#/...`) points at, or None."""
     node = schema
@@ -164,8 +174,8 @@ def _resolve(schema: Any, ref: str) -> Any:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part in map(str, range(len(node))):
-            node = node[int(part)]
+        elif isinstance(node, list) and (index := _index(part, len(node))) is not None:
+            node = node[index]
         else:
             return None
     return node

@@ -307,7 +307,7 @@ class Requests:
                 prompt=prompt,
                 logprobs=options.logprobs,
                 response_format=response_format,
-                sampling_params=SamplingParams.from_input_and_generation_config(
+                sampling_params=request_bodies.greedy_below(SamplingParams.from_input_and_generation_config(
                     SamplingParamsInput(
                         max_new_tokens=max_new_tokens,
                         temperature=options.temperature,
@@ -319,7 +319,7 @@ class Requests:
                         stop_token_ids=list(options.stop_token_ids) or None,
                     ),
                     sampling_params_defaults=self._sampling_defaults,
-                ),
+                )),
             )
             for prompt, seed in zip(prompts, seeds, strict=True)
         ]

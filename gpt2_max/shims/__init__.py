@@ -47,6 +47,10 @@ and why, so nothing else in the package imports a private MAX name:
   (`sampler_for`: `gpt2_max.sampler`'s on the CPU), then handed to a model
   that asks for it (`takes`, `hand_over`), whose decode bursts
   (`gpt2_max.bursts`) sample with it.
+- `tool_calls`: the llama tool parser's search for JSON in an answer, and the
+  chat route's conformance check of an answer against the client's schema (for
+  its log), each of which a request could make run for hours on the API's event
+  loop with a regular expression.
 - `waiting_requests`: whether a request waits in MAX's scheduler's queue, told
   to a pipeline model that asks, whose decode bursts end when
   one does. Both hook the `__init__` of the MAX class that holds what they hand
@@ -84,6 +88,7 @@ from . import (
     shared_sampler,
     stop_strings,
     structured_output,
+    tool_calls,
     waiting_requests,
     weight_files,
 )
@@ -103,6 +108,8 @@ CARRIED = (
     "decode bursts",
     "the CPU's sampler of plain rows",
     "fast-forward tokens",
+    "tool calls and answers to a schema read without a regular expression that can "
+    "stall the server",
 )
 """What a user loses on a MAX release the shims were not checked against."""
 
@@ -141,4 +148,5 @@ def install(
     structured_output.install(tokenizer_type)
     shared_sampler.install()
     waiting_requests.install()
+    tool_calls.install()
     return True

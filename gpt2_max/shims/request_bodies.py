@@ -337,12 +337,16 @@ def all_or_none(complete: Callable[..., Any]) -> Callable[..., Any]:
     each request's context made before any is queued. The route runs them together
     (`asyncio.gather`), so a prompt refused there (a token id outside the vocabulary, a
     prompt past the window) was answered 400 while the body's other prompts, already
-    queued, generated to their end for no one."""
+    queued, generated to their end for no one. The contexts are made without the
+    requests' `stop` strings, as the stop shim makes theirs (`stop_strings`): MAX's
+    tokenizer encodes each, and refused one past the window as a prompt too long."""
     @functools.wraps(complete)
     async def checked(self: Any, requests: list[Any]) -> Any:
         if len(requests) > 1:
             for request in requests:
-                await self.pipeline.tokenizer.new_context(request)
+                params = dataclasses.replace(request.sampling_params, stop=None)
+                await self.pipeline.tokenizer.new_context(
+                    dataclasses.replace(request, sampling_params=params))
         return await complete(self, requests)
 
     return checked
@@ -356,17 +360,32 @@ class SeedZero(int):
         return True
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature under which sampling is greedy (vLLM's `_SAMPLING_EPS`): the logits
+are divided by the temperature in float32, where 1e-40 overflows every logit (each
+step then drew token 0) and 1e-50 is 0 (sampled at temperature 1)."""
+
+
+def greedy_below(params: SamplingParams) -> SamplingParams:
+    """`params`, with a positive temperature below `GREEDY_BELOW` made 0: greedy, as
+    MAX makes a temperature of 0 (top-k 1)."""
+    if 0 < params.temperature < GREEDY_BELOW:
+        return dataclasses.replace(params, temperature=0.0)
+    return params
+
+
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
-    (`from_input_and_generation_config`) raises its range checks as `InputError` and
-    turns `SeedZero` back into 0."""
+    (`from_input_and_generation_config`) raises its range checks as `InputError`,
+    turns `SeedZero` back into 0 and samples greedily below `GREEDY_BELOW`."""
 
     @staticmethod
     @raises_input_error
     def from_input_and_generation_config(params: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(params.seed, SeedZero):
             params = dataclasses.replace(params, seed=0)
-        return SamplingParams.from_input_and_generation_config(params, *args, **kwargs)
+        return greedy_below(SamplingParams.from_input_and_generation_config(
+            params, *args, **kwargs))
 
 
 def install() -> None:

@@ -106,9 +106,14 @@ TEXT = ("decoded_tokens", "decoded_reasoning_tokens")
 
 
 def up_to(chunk: TokenGeneratorOutput, n: int) -> TokenGeneratorOutput:
-    """`chunk` holding only its first `n` tokens' ids, count and log-probabilities."""
+    """`chunk` holding only its first `n` tokens' ids, count and log-probabilities: its
+    last `token_count - n` entries of each dropped. A chunk echoing its prompt holds a
+    log-probability for each prompt token before its own tokens' (cut from the front,
+    the echo was lost)."""
+    dropped = chunk.token_count - n
     return replace(chunk, token_count=n, **{
-        name: value[:n] for name in PER_TOKEN if (value := getattr(chunk, name)) is not None
+        name: value[:len(value) - dropped]
+        for name in PER_TOKEN if (value := getattr(chunk, name)) is not None
     })
 
 

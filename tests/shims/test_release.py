@@ -40,11 +40,13 @@ import gpt2_max.arch  # registers the architecture, as --custom-architectures do
 from max.pipelines.lib import PipelineConfig
 from max.pipelines.lib.pipeline_variants.text_generation import TextGenerationPipeline
 from max.pipelines.sampling import sampling
+from max.serve import _tool_call_validation
+from max.serve.parser import llama_tool_parser
 from max.serve.pipelines.llm import TokenGeneratorPipeline
 from max.serve.router import openai_routes
 from max.serve.scheduler.text_generation_scheduler import TokenGenerationScheduler
 from gpt2_max import shims
-from gpt2_max.shims import fast_forward, release
+from gpt2_max.shims import fast_forward, release, tool_calls
 from gpt2_max.tokenizer import GPT2TextTokenizer
 from gpt2_max.weights.files import holds_half_precision
 from gpt2_max.weights.formats import check_complete
@@ -60,6 +62,8 @@ patched = {
     "sampler": getattr(TextGenerationPipeline.__init__, "shares_sampler", False),
     "queue": getattr(TokenGenerationScheduler.__init__, "watches_requests", False),
     "min_p": getattr(sampling.topk_fused_sampling, "keeps_min_p", False),
+    "tool calls": getattr(_tool_call_validation._build_validator, "skips_patterns", False)
+    and llama_tool_parser.parse_json_from_text is tool_calls.json_values,
 }
 print("patched", sorted(name for name, on in patched.items() if on))
 print("fast-forward", fast_forward.enabled())
@@ -78,7 +82,7 @@ def test_on_the_checked_release_every_shim_is_installed():
     out = probe()
     assert "installed again True" in out.stdout
     assert "patched ['min_p', 'queue', 'request bodies', 'sampler', 'stop strings', " \
-        "'structured output', 'weight files']" in out.stdout
+        "'structured output', 'tool calls', 'weight files']" in out.stdout
     assert "fast-forward True" in out.stdout
     assert WARNING not in out.stderr
 

@@ -2,6 +2,7 @@
 and the sampling values it answers "Value error.", refused by name."""
 
 import asyncio
+import dataclasses
 import inspect
 import json
 from types import SimpleNamespace
@@ -333,24 +334,48 @@ def test_a_body_s_prompts_are_all_made_before_any_is_queued():
     queued, made = [], []
 
     async def complete(self, requests):
-        queued.extend(requests)
+        queued.extend(request.prompt for request in requests)
         return "answer"
 
     async def new_context(request):
-        made.append(request)
-        if request == "bad":
+        made.append(request.prompt)
+        # MAX's tokenizer encodes each stop string, and refused one past the window.
+        assert request.sampling_params.stop is None
+        if request.prompt == "bad":
             raise InputError("refused")
+
+    def bodies(*prompts):
+        return [Request(prompt, SamplingParams(stop=["x" * 5000])) for prompt in prompts]
 
     generator = SimpleNamespace(pipeline=SimpleNamespace(
         tokenizer=SimpleNamespace(new_context=new_context)))
     checked = request_bodies.all_or_none(complete)
     with pytest.raises(InputError, match="refused"):
-        asyncio.run(checked(generator, ["a", "b", "bad", "c"]))
+        asyncio.run(checked(generator, bodies("a", "b", "bad", "c")))
     assert made == ["a", "b", "bad"] and queued == []
-    assert asyncio.run(checked(generator, ["a", "b"])) == "answer" and queued == ["a", "b"]
+    assert asyncio.run(checked(generator, bodies("a", "b"))) == "answer"
+    assert queued == ["a", "b"]
     made.clear()
-    assert asyncio.run(checked(generator, ["bad"])) == "answer"  # one prompt: the route's own
+    assert asyncio.run(checked(generator, bodies("bad"))) == "answer"  # the route's own
     assert made == []
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: str
+    sampling_params: SamplingParams
+
+
+@pytest.mark.parametrize("temperature, greedy", [
+    (1e-40, True), (1e-50, True), (9.9e-6, True), (1e-5, False), (0.7, False), (0.0, True),
+])
+def test_a_temperature_too_small_for_float32_logits_is_greedy(temperature, greedy):
+    """Divided into the logits in float32, 1e-40 overflowed every logit (token 0 each
+    step) and 1e-50 was 0 (temperature 1)."""
+    params = request_bodies.CheckedSamplingParams.from_input_and_generation_config(
+        SamplingParamsInput(temperature=temperature, top_k=50),
+        SamplingParamsGenerationConfigDefaults())
+    assert (params.temperature == 0 and params.top_k == 1) == greedy
 
 
 def test_the_completions_route_answers_several_prompts_together():

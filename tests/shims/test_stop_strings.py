@@ -10,7 +10,7 @@ from max.serve.pipelines.incremental_detokenizer import create_buffered_detokeni
 from max.serve.pipelines.llm import TokenGeneratorOutput
 from transformers import AutoTokenizer
 
-from gpt2_max.shims.stop_strings import cut_at_stops, sent
+from gpt2_max.shims.stop_strings import cut_at_stops, sent, up_to
 from gpt2_max.stop import StopScanner
 from gpt2_max.testing.reference import stopped_text
 from gpt2_max.tokenizer import TOKENIZER_DIR
@@ -77,6 +77,19 @@ def cut_ids(
     out = asyncio.run(run())
     return (sum((c.token_ids for c in out), []), sum(c.token_count for c in out),
             "".join(c.decoded_tokens or "" for c in out))
+
+
+def test_a_chunk_echoing_its_prompt_keeps_the_prompt_s_log_probabilities() -> None:
+    """With echo, a chunk's log-probabilities are the prompt's then its tokens'; cut at
+    a stop from the front, the prompt's were lost (2 kept of 6)."""
+    chunk = TokenGeneratorOutput(
+        status=GenerationStatus.ACTIVE, token_count=3, token_ids=[7, 8, 9],
+        token_log_probabilities=[-1.0, -2.0, -3.0, -0.1, -0.2, -0.3],
+        top_log_probabilities=[{i: ("t", -1.0)} for i in range(6)])
+    cut = up_to(chunk, 2)
+    assert (cut.token_count, cut.token_ids) == (2, [7, 8])
+    assert cut.token_log_probabilities == [-1.0, -2.0, -3.0, -0.1, -0.2]
+    assert len(cut.top_log_probabilities) == 5
 
 
 def test_a_chunk_of_several_tokens_keeps_those_up_to_the_stop() -> None:

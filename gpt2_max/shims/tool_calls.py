@@ -1,0 +1,90 @@
+"""Two regular expressions of MAX 26.7's chat route that a request can make take
+exponential time on the API process's event loop, which then answers nothing more.
+
+- `--tool-parser llama` finds the calls in a whole answer with
+  `parser.json_utils.parse_json_from_text`, a recursive pattern (the `regex` module)
+  whose whitespace groups sit side by side: on text like `"[ [ [ ...` left open (a
+  model cut by `max_tokens`, or asked by a `response_format` to write it), each
+  level doubles the time, 2 s at 15 levels. Its strings also take an escape only
+  as two backslashes, so a call whose arguments hold `\n` or `\"` came apart into
+  its keys. `json_values` finds the values with the `json` module's decoder tried
+  at each place one can start: JSON's own strings, no backtracking, and at most
+  quadratic in the answer's length.
+- After an answer, the route checks it against the request's `response_format`
+  schema and any call against its tool's parameters, for its log and metrics only
+  (`_tool_call_validation`), with `jsonschema`, which runs each `pattern` and
+  `patternProperties` of the client's schema through Python's `re`: `^(a+)+$`
+  against forty `a` and a `!` never ends. A schema holding either keyword is
+  left unchecked (`checked_without_patterns`), as MAX leaves a schema it cannot
+  compile: that check never answers the client.
+
+Installed by `shims.install`; it acts in the API process, for every model served.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from max.serve import _tool_call_validation
+from max.serve.parser import llama_tool_parser
+from max.serve.router import openai_routes
+
+_VALUE_START = re.compile(r'[-0-9tfn"\[{]')
+"""The characters a JSON value (number, `true`, `false`, `null`, string, array,
+object) starts with."""
+
+REGEX_KEYWORDS = ('"pattern":', '"patternProperties":')
+"""The JSON Schema keywords whose values `jsonschema` runs as regular expressions,
+as they appear in the canonical JSON `_build_validator` is given (a key is always
+followed by a colon there, a string value never)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def json_values(text: str) -> list[Any]:
+    """The JSON values in `text`, leftmost first, each from where the last ended: what
+    MAX's `parse_json_from_text` returns (no `NaN` or `Infinity`, as its pattern has
+    none), found by decoding rather than by backtracking."""
+    values: list[Any] = []
+    cursor = 0
+    while start := _VALUE_START.search(text, cursor):
+        try:
+            value, cursor = _DECODER.raw_decode(text, start.start())
+        except (ValueError, RecursionError):
+            cursor = start.start() + 1
+            continue
+        values.append(value)
+    return values
+
+
+def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any]:
+    """MAX's cached `_build_validator`, which gives no validator (the answer counts as
+    conforming) for a schema holding a regular expression (`REGEX_KEYWORDS`)."""
+    @functools.wraps(build)
+    def built(schema_key: str) -> Any:
+        if any(keyword in schema_key for keyword in REGEX_KEYWORDS):
+            return None
+        return build(schema_key)
+
+    built.skips_patterns = True  # type: ignore[attr-defined]
+    return built
+
+
+def install() -> None:
+    """Puts `json_values` where the llama tool parser and the chat route call
+    `parse_json_from_text`, and `checked_without_patterns` around the conformance
+    checks' validator (once)."""
+    llama_tool_parser.parse_json_from_text = json_values
+    openai_routes.parse_json_from_text = json_values
+    build = _tool_call_validation._build_validator
+    if not getattr(build, "skips_patterns", False):
+        _tool_call_validation._build_validator = checked_without_patterns(build)

@@ -1,0 +1,69 @@
+"""`tool_calls`: the JSON an answer holds found without MAX's backtracking pattern, and
+the conformance check of an answer against a schema with a regular expression left
+alone."""
+
+from __future__ import annotations
+
+import pytest
+from max.serve import _tool_call_validation
+from max.serve.parser import json_utils, llama_tool_parser
+from max.serve.router import openai_routes
+
+from gpt2_max.shims import tool_calls
+
+pytestmark = pytest.mark.tier("unit")
+
+TEXTS = [
+    'hello {"a": [1, 2, {"b": null}]} and [true, false] 12 -3.5e2 untrue',
+    '{"name": "f", "parameters": {"x": 1}}; {"name": "g"}',
+    "[1, 2", '"abc', "[1,]", '{"a":1}{"b":2}', "01 1. -x NaN Infinity -Infinity nulll",
+    '  -0.0e+5, [] {} ""', "1e5 1E+2 2e", "no json here",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_the_values_are_maxs(text):
+    assert tool_calls.json_values(text) == json_utils.parse_json_from_text(text)
+
+
+def test_escaped_characters_in_strings_are_read():
+    """MAX's pattern takes an escape only as two backslashes: the call came apart."""
+    call = '{"name": "f", "arguments": {"text": "say \\"hi\\"\\nthen go"}}'
+    assert tool_calls.json_values(call) == [
+        {"name": "f", "arguments": {"text": 'say "hi"\nthen go'}}]
+    assert json_utils.parse_json_from_text(call) != tool_calls.json_values(call)
+
+
+@pytest.mark.parametrize("text", ['"' + "[ " * 2000, "[ 1, " * 2000, "{" * 5000])
+def test_text_left_open_ends(text):
+    """MAX's pattern doubles its time with each level of `"[ [ [` (2 s at 15 levels);
+    this reads 2,000, and nesting past Python's recursion limit."""
+    values = tool_calls.json_values(text)
+    assert values == ([1] * 2000 if "1" in text else [])
+
+
+REDOS = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(a+)+$"}}}
+
+
+def test_the_conformance_check_leaves_a_schema_with_a_pattern_unchecked():
+    """jsonschema runs the client's `pattern` through Python's `re`: against forty `a`
+    and a `!` it never ended, on the API's event loop."""
+    tool_calls.install()
+    answer = '{"x": "' + "a" * 40 + '!"}'
+    result = _tool_call_validation.check_response_format_conformance(answer, REDOS)
+    assert result.outcome == "valid"
+    (call,) = _tool_call_validation.check_tool_call_conformance(
+        [("f", answer)], {"f": REDOS})
+    assert call.outcome == "valid"
+    plain = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    assert _tool_call_validation.check_response_format_conformance(
+        answer, plain).outcome == "schema_mismatch"  # the others are still checked
+
+
+def test_install_puts_the_finder_where_maxs_parsers_call_it():
+    tool_calls.install()
+    built = _tool_call_validation._build_validator
+    tool_calls.install()
+    assert _tool_call_validation._build_validator is built and built.skips_patterns
+    assert llama_tool_parser.parse_json_from_text is tool_calls.json_values
+    assert openai_routes.parse_json_from_text is tool_calls.json_values
