@@ -63,7 +63,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
-from .shims.request_bodies import refusal
+from .shims.request_bodies import ClientStopTokenIds, refusal
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 from .weights.schema import CheckpointError
 
@@ -154,10 +154,13 @@ class GPT2TextTokenizer(TextTokenizer):
         return context
 
     def _own_stop_ids(self, request: TextGenerationRequest) -> list[int]:
-        """The request's `stop_token_ids` but the model's EOS, which MAX puts there from
-        the checkpoint's `generation_config.json` when the client sent none."""
-        return [i for i in request.sampling_params.stop_token_ids or []
-                if i not in self.eos_token_ids]
+        """The request's `stop_token_ids`: all of them where the client sent them
+        (`ClientStopTokenIds`), else those but the model's EOS, which MAX puts there
+        from the checkpoint's `generation_config.json` when the client sent none."""
+        ids = request.sampling_params.stop_token_ids or []
+        if isinstance(ids, ClientStopTokenIds):
+            return list(ids)
+        return [i for i in ids if i not in self.eos_token_ids]
 
     @staticmethod
     def _scored_alone(request: TextGenerationRequest) -> TextGenerationRequest:
@@ -185,11 +188,15 @@ class GPT2TextTokenizer(TextTokenizer):
         """Raises `InputError` naming the first of `ids` outside the vocabulary: in a
         prompt it would index past the embedding table; as a stop token, the model worker
         masks it in the logits under `min_tokens` (one past int32 stops the worker)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        (invalid,) = np.nonzero((ids < 0) | (ids >= self.valid_token_ids))
+        try:
+            array = np.asarray(ids, dtype=np.int64)
+        except OverflowError:  # past int64: the routes refuse it first, the Generator not
+            array = np.asarray([min(max(int(i), -1), self.valid_token_ids) for i in ids])
+        (invalid,) = np.nonzero((array < 0) | (array >= self.valid_token_ids))
         if invalid.size:
+            first = int(invalid[0])
             raise InputError(
-                f"{what} token id {int(ids[invalid[0]])} at position {int(invalid[0])} is "
+                f"{what} token id {int(ids[first])} at position {first} is "
                 f"outside the vocabulary [0, {self.valid_token_ids})."
             )
 

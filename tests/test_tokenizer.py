@@ -19,6 +19,7 @@ from max.pipelines.modeling.types import (
 )
 from transformers import AutoTokenizer
 
+from gpt2_max.shims.request_bodies import ClientStopTokenIds
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, TOKENIZER_DIR, GPT2TextTokenizer
 from gpt2_max.weights.schema import CheckpointError
 
@@ -114,6 +115,10 @@ def test_own_stop_tokens_stop_a_request_that_ignores_eos(checkpoints, max_models
     assert stops(ignore_eos=True) == set()
     with pytest.raises(InputError, match="stop token id 60000 at position 0 is outside"):
         stops(stop_token_ids=[60000])
+    # The client's own list (the routes and the Generator mark it) stops at EOS too.
+    assert stops(ignore_eos=True, stop_token_ids=ClientStopTokenIds([eos])) == {eos}
+    with pytest.raises(InputError, match=f"stop token id {2**64} at position 1 is outside"):
+        stops(stop_token_ids=[13, 2**64])
 
 
 @pytest.mark.tier("unit")

@@ -316,7 +316,8 @@ class Requests:
                         min_p=options.min_p,
                         seed=seed,
                         ignore_eos=options.ignore_eos,
-                        stop_token_ids=list(options.stop_token_ids) or None,
+                        stop_token_ids=request_bodies.ClientStopTokenIds(
+                            options.stop_token_ids) or None,
                     ),
                     sampling_params_defaults=self._sampling_defaults,
                 )),

@@ -374,16 +374,27 @@ def greedy_below(params: SamplingParams) -> SamplingParams:
     return params
 
 
+class ClientStopTokenIds(list):
+    """A request's `stop_token_ids` as its client sent them, told apart from the list
+    MAX puts there from `generation_config.json` when it sent none: the client's stop
+    the request even where they name the model's EOS under `ignore_eos`
+    (`GPT2TextTokenizer._own_stop_ids`)."""
+
+
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
     (`from_input_and_generation_config`) raises its range checks as `InputError`,
-    turns `SeedZero` back into 0 and samples greedily below `GREEDY_BELOW`."""
+    turns `SeedZero` back into 0, marks the client's `stop_token_ids`
+    (`ClientStopTokenIds`) and samples greedily below `GREEDY_BELOW`."""
 
     @staticmethod
     @raises_input_error
     def from_input_and_generation_config(params: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(params.seed, SeedZero):
             params = dataclasses.replace(params, seed=0)
+        if params.stop_token_ids is not None:
+            params = dataclasses.replace(
+                params, stop_token_ids=ClientStopTokenIds(params.stop_token_ids))
         return greedy_below(SamplingParams.from_input_and_generation_config(
             params, *args, **kwargs))
 

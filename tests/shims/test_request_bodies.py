@@ -382,3 +382,15 @@ def test_the_completions_route_answers_several_prompts_together():
     """What `all_or_none` is for: the route's answer gathers them."""
     source = inspect.getsource(openai_routes.OpenAICompletionResponseGenerator.complete)
     assert "asyncio.gather" in source
+
+
+@pytest.mark.parametrize("sent", [None, [50256], []])
+def test_the_client_s_stop_token_ids_are_told_from_the_model_s(sent):
+    """MAX fills `stop_token_ids` with the model's EOS from `generation_config.json`
+    when the client sent none; a client's list naming EOS stops under `ignore_eos`."""
+    params = request_bodies.CheckedSamplingParams.from_input_and_generation_config(
+        SamplingParamsInput(stop_token_ids=sent, ignore_eos=True),
+        SamplingParamsGenerationConfigDefaults(eos_token_id=50256))
+    assert params.stop_token_ids == (sent if sent is not None else [50256])
+    assert isinstance(params.stop_token_ids, request_bodies.ClientStopTokenIds) == (
+        sent is not None)
