@@ -210,7 +210,8 @@ def check_settings(body: Any, sampling: Any) -> None:
     `min_tokens` on a server started without `--enable-penalties` or
     `--enable-min-tokens` (`sampling`, the pipeline's `SamplingConfig`): MAX's model
     worker then samples as if they were not set, with a warning in the server's log
-    that the client never sees (`max/pipelines/sampling/sampling_logits_processor.py`)."""
+    that the client never sees (`max/pipelines/sampling/sampling_logits_processor.py`).
+    So is `min_tokens` beside a JSON `response_format`, which it would end."""
     if not sampling.enable_penalties:
         for name, neutral in NEUTRAL_PENALTIES.items():
             value = getattr(body, name, None)
@@ -220,6 +221,14 @@ def check_settings(body: Any, sampling: Any) -> None:
     if not sampling.enable_min_tokens and (getattr(body, "min_tokens", None) or 0) > 0:
         raise InputError(f"min_tokens={body.min_tokens} is not served: this server was "
                          "started without --enable-min-tokens, and would stop without it.")
+    response_format = getattr(body, "response_format", None)
+    if (getattr(body, "min_tokens", None) or 0) > 0 and isinstance(response_format, dict) \
+            and response_format.get("type") in ("json_schema", "json_object"):
+        raise InputError(
+            f"min_tokens={body.min_tokens} with a response_format is not served: once the "
+            "format is complete its grammar allows only the end of the text, which "
+            "min_tokens holds back, and MAX then drops the grammar for the rest of the "
+            "answer, which is no longer the format.")
 
 
 def check_tool_choice(body: Any, unforced: str | None) -> None:

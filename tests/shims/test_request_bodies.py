@@ -100,6 +100,20 @@ def test_what_the_server_was_not_started_for_is_refused_naming_the_flag(fields, 
     request_bodies.check_settings(body(**fields), sampling(penalties=True, min_tokens=True))
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_min_tokens_beside_a_json_response_format_is_refused(kind):
+    """Once the format is complete its grammar allows only EOS, which `min_tokens` masks:
+    MAX then dropped the grammar (`{"type": "boolean"}`, `min_tokens` 10 answered
+    `false!` and free text)."""
+    started = sampling(min_tokens=True)
+    with pytest.raises(InputError, match="min_tokens=10 with a response_format is not"):
+        request_bodies.check_settings(body(min_tokens=10, response_format={"type": kind}),
+                                      started)
+    request_bodies.check_settings(body(min_tokens=10, response_format={"type": "text"}),
+                                  started)
+    request_bodies.check_settings(body(min_tokens=0, response_format={"type": kind}), started)
+
+
 def test_neutral_penalties_and_no_min_tokens_pass_any_server():
     neutral = body(presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0,
                    min_tokens=0)
