@@ -385,8 +385,8 @@ def greedy_below(params: SamplingParams) -> SamplingParams:
 
 class ClientStopTokenIds(list):
     """A request's `stop_token_ids` as its client sent them, told apart from the list
-    MAX puts there from `generation_config.json` when it sent none: the client's stop
-    the request even where they name the model's EOS under `ignore_eos`
+    MAX puts there from `generation_config.json` when it sent none: the client's ids
+    stop the request even where they name the model's EOS under `ignore_eos`
     (`GPT2TextTokenizer._own_stop_ids`)."""
 
 

@@ -29,10 +29,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from max.serve import _tool_call_validation
-from max.serve.parser import llama_tool_parser
-from max.serve.router import openai_routes
-
 _VALUE_START = re.compile(r'[-0-9tfn"\[{]')
 """The characters a JSON value (number, `true`, `false`, `null`, string, array,
 object) starts with."""
@@ -82,7 +78,12 @@ def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any
 def install() -> None:
     """Puts `json_values` where the llama tool parser and the chat route call
     `parse_json_from_text`, and `checked_without_patterns` around the conformance
-    checks' validator (once)."""
+    checks' validator (once). MAX's modules are imported here, not with this one: the
+    validator's is private."""
+    from max.serve import _tool_call_validation
+    from max.serve.parser import llama_tool_parser
+    from max.serve.router import openai_routes
+
     llama_tool_parser.parse_json_from_text = json_values
     openai_routes.parse_json_from_text = json_values
     build = _tool_call_validation._build_validator
