@@ -35,7 +35,7 @@ from .names import PACKAGE
 from .settings import settings
 from .shims.internals import quantization_encoding
 from .weights.files import VOCABULARY_FILES, tokenizer_files_named
-from .weights.formats import check_complete
+from .weights.formats import check_complete, head_is_table
 from .weights.plan import WeightPlan
 from .weights.schema import HEAD_WEIGHT, CheckpointError, feed_forward_size, ties_word_embeddings
 
@@ -284,13 +284,15 @@ class GPT2ArchConfig(ArchConfigWithStoredKVParams, ArchConfigWithKVCache):
         # MAX itself refuses a checkpoint without config.json, naming the folder.
         hf = model_config.huggingface_config
         validate_huggingface_config(hf)
-        check_complete(model_config.resolved_weight_paths())
+        paths = model_config.resolved_weight_paths()
+        check_complete(paths)
         encoding = quantization_encoding(model_config, cls.DEFAULT_ENCODING)
         devices = [
             DeviceRef(spec.device_type, spec.id) for spec in model_config.device_specs
         ]
         return cls(
-            **shape_fields(hf),
+            # A file's own head (llama.cpp's `output.weight`) unties a tied config.
+            **{**shape_fields(hf), "tie_word_embeddings": head_is_table(paths, hf)},
             usable_vocab_size=usable_vocab_size(
                 hf.vocab_size,
                 tokenizer_vocab_size(

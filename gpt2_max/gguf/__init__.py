@@ -17,7 +17,7 @@ safetensors alone. What is here:
 from max.graph.weights import GGUFWeights, WeightsFormat
 
 from ..weights.formats import WeightFormat
-from .adapter import convert_gguf_state_dict, held_bytes, release_pages
+from .adapter import convert_gguf_state_dict, head_is_table, held_bytes, release_pages
 from .extent import check_length
 
 WEIGHT_FORMAT = WeightFormat(
@@ -28,4 +28,5 @@ WEIGHT_FORMAT = WeightFormat(
     weights=GGUFWeights,
     release=release_pages,
     held=held_bytes,
+    head_is_table=head_is_table,
 )

@@ -125,6 +125,12 @@ def table_is_head(tensors: Sequence[gguf.ReaderTensor], hf_config: Any) -> bool:
     )
 
 
+def head_is_table(paths: Sequence[Path], hf_config: Any) -> bool:
+    """`table_is_head` of the GGUF `paths`, read from their headers: the model's config
+    ties the head to the table only where the files hold no packed head of their own."""
+    return all(table_is_head(gguf.GGUFReader(path).tensors, hf_config) for path in paths)
+
+
 def held_bytes(paths: Sequence[Path], hf_config: Any) -> int:
     """Bytes the adapter hands over for the GGUF `paths`, read from their headers: what
     the fast layers hold (`memory_planner.held_excess`); tensors that are not GPT-2's,

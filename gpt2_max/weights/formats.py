@@ -26,7 +26,7 @@ from max.graph.weights import SafetensorWeights, WeightData, Weights, WeightsFor
 from .. import extensions
 from .files import check_distinct, check_safetensors
 from .safetensors import convert_safetensor_state_dict
-from .schema import parameter_count
+from .schema import parameter_count, ties_word_embeddings
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,20 @@ class WeightFormat:
     """Bytes the adapter hands over for these files of a model of that transformers
     config, without reading the values: what the CPU's fast layers hold, which may
     exceed the files (a checkpoint saved in half precision, a table dequantized)."""
+    head_is_table: Callable[[Sequence[Path], Any], bool]
+    """Whether the LM head of these files and that config is the token table: the
+    config's `tie_word_embeddings`, unless the files hold a head of their own."""
 
 
 def float32_values(paths: Sequence[Path], hf_config: Any) -> int:
     """What the safetensors adapter hands over: every parameter in float32, whatever
     the files hold."""
     return parameter_count(hf_config) * DType.float32.size_in_bytes
+
+
+def tied_by_config(paths: Sequence[Path], hf_config: Any) -> bool:
+    """The config's word: a tied head saved anyway is the table again."""
+    return ties_word_embeddings(hf_config)
 
 
 SAFETENSORS = WeightFormat(
@@ -65,6 +73,7 @@ SAFETENSORS = WeightFormat(
     weights=SafetensorWeights,
     release=SafetensorWeights.close,
     held=float32_values,
+    head_is_table=tied_by_config,
 )
 
 
@@ -82,6 +91,18 @@ def held_bytes(paths: Iterable[Any], hf_config: Any) -> int | None:
     if len(suffixes) != 1 or (format := known.get(suffixes.pop())) is None:
         return None
     return format.held(paths, hf_config)
+
+
+def head_is_table(paths: Iterable[Any], hf_config: Any) -> bool:
+    """Whether the LM head of weight files `paths` of a model of `hf_config` is the
+    token table (`WeightFormat.head_is_table`); the config's word for files of no one
+    format the package reads."""
+    paths = [Path(path) for path in paths]
+    known = {format.suffix: format for format in formats()}
+    suffixes = {path.suffix for path in paths}
+    if len(suffixes) != 1 or (format := known.get(suffixes.pop())) is None:
+        return ties_word_embeddings(hf_config)
+    return format.head_is_table(paths, hf_config)
 
 
 def check_complete(paths: Iterable[Path]) -> None:

@@ -25,11 +25,13 @@ from gguf import GGMLQuantizationType as Q
 from max.dtype import DType
 from max.graph.quantization import QuantizationEncoding
 from max.graph.weights import load_weights
+from max.pipelines import AutoModel
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from gpt2_max.gguf.adapter import convert_gguf_state_dict, held_bytes
 from gpt2_max.gguf.names import gguf_name
 from gpt2_max.gguf.quants import quantize
+from gpt2_max.layers import LAYERS_ENV
 from gpt2_max.testing.reference import (
     hf_greedy,
     hf_on_gguf_weights,
@@ -196,11 +198,15 @@ def test_quantized_gguf_matches_transformers_on_dequantized_weights(
     assert delta.mean() <= max_delta
 
 
-def test_a_tied_hub_config_serves_llama_cpps_own_head(quantized_model, tmp_path, max_models):
+@pytest.mark.parametrize("layers", ["fast", "plain"])
+def test_a_tied_hub_config_serves_llama_cpps_own_head(
+    quantized_model, tmp_path, max_models, monkeypatch, layers
+):
     """A Q4_K_M file as llama.cpp writes GPT-2 (the tied head again as `output.weight`,
     Q6_K beside a Q4_K table) beside the hub's `config.json`, which ties them, answers
     as beside the config the file implies (`gpt2-max-gguf-config`'s, untied): the same
-    logits, bit for bit. Before, the tied config's head was the table's Q4_K blocks."""
+    logits, bit for bit, on the CPU's fast layers and on the plain ones a GPU serves
+    (which dequantize it). Before, the tied config's head was the table's Q4_K blocks."""
     untied = copy.deepcopy(quantized_model)
     untied.lm_head.weight = torch.nn.Parameter(quantized_model.lm_head.weight.detach().clone())
     untied.config.tie_word_embeddings = False
@@ -209,13 +215,22 @@ def test_a_tied_hub_config_serves_llama_cpps_own_head(quantized_model, tmp_path,
     assert (types["output.weight"], types["token_embd.weight"]) == (Q.Q6_K, Q.Q4_K)
     hub = shutil.copytree(own.parent, tmp_path / "hub") / own.name
     quantized_model.config.to_json_file(hub.parent / "config.json")
-    assert max_models(hub).pipeline_config.model.huggingface_config.tie_word_embeddings
     prompts = [random_prompt(n, seed=n) for n in (1, 30)]
-    ours, theirs = (
-        max_models(path).generate(prompts, max_new_tokens=NEW_TOKENS, top_k=1,
-                                  ignore_eos=True, output_logits=True)
-        for path in (hub, own)
-    )
+    answers = []
+    for path in (hub, own):
+        if layers == "fast":
+            model = max_models(path)
+        else:
+            monkeypatch.setenv(LAYERS_ENV, "plain")
+            model = AutoModel(str(path.parent), weight_path=[str(path)], max_batch_size=2,
+                              devices="cpu", custom_architectures=["gpt2_max"])
+        assert model.pipeline_config.model.huggingface_config.tie_word_embeddings == (
+            path == hub)
+        answers.append(model.generate(prompts, max_new_tokens=NEW_TOKENS, top_k=1,
+                                      ignore_eos=True, output_logits=True))
+        if layers == "plain":
+            model.close()
+    ours, theirs = answers
     assert ours.sequences == theirs.sequences
     for a, b in zip(ours.logits, theirs.logits, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
