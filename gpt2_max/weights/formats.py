@@ -82,15 +82,20 @@ def formats() -> tuple[WeightFormat, ...]:
     return (SAFETENSORS, *extensions.weight_formats())
 
 
+def format_of(paths: Sequence[Path]) -> WeightFormat | None:
+    """The one format weight files `paths` are all of, or None: none, several, or one
+    the package does not read."""
+    known = {format.suffix: format for format in formats()}
+    suffixes = {path.suffix for path in paths}
+    return known.get(suffixes.pop()) if len(suffixes) == 1 else None
+
+
 def held_bytes(paths: Iterable[Any], hf_config: Any) -> int | None:
     """Bytes the adapters hand over for weight files `paths` of a model of `hf_config`
     (`WeightFormat.held`), or None unless they are of one format the package reads."""
     paths = [Path(path) for path in paths]
-    known = {format.suffix: format for format in formats()}
-    suffixes = {path.suffix for path in paths}
-    if len(suffixes) != 1 or (format := known.get(suffixes.pop())) is None:
-        return None
-    return format.held(paths, hf_config)
+    format = format_of(paths)
+    return None if format is None else format.held(paths, hf_config)
 
 
 def head_is_table(paths: Iterable[Any], hf_config: Any) -> bool:
@@ -98,9 +103,8 @@ def head_is_table(paths: Iterable[Any], hf_config: Any) -> bool:
     token table (`WeightFormat.head_is_table`); the config's word for files of no one
     format the package reads."""
     paths = [Path(path) for path in paths]
-    known = {format.suffix: format for format in formats()}
-    suffixes = {path.suffix for path in paths}
-    if len(suffixes) != 1 or (format := known.get(suffixes.pop())) is None:
+    format = format_of(paths)
+    if format is None:
         return ties_word_embeddings(hf_config)
     return format.head_is_table(paths, hf_config)
 
