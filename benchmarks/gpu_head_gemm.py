@@ -3,18 +3,20 @@ MAX 26.7's bfloat16 GEMMs on NVIDIA sm90 (`docs/max-26.7.md`).
 
     python3 benchmarks/gpu_head_gemm.py [SECONDS]
 
-First a block's three GEMMs (`BLOCKS`) at row counts on both sides of 8; then the
-model's last step alone (`last_step_graph`: the final LayerNorm, the gather of each
-sequence's last row and the padded head, fused as the model's graph has them), its
-rows taken both ways (`ROWS`), over ragged batches (`SEQUENCES`); then the head's
-GEMM. Each head case is a graph `[M, K] @ [N, K]^T` (N = 50,257, GPT-2's vocabulary, or 50,432,
-the head padded to whole 256-column tiles, then cut back to 50,257 as the model does),
-its output cast to float32 or not, compiled once and run at several row counts M,
+First the model's last step alone (`last_step_graph`: the final LayerNorm, the gather
+of each sequence's last row and the padded head, fused as the model's graph has them),
+its rows taken both ways, with and without every row's logits beside (`LAST_STEPS`),
+over ragged batches (`SEQUENCES`); then a block's three GEMMs (`BLOCKS`) at row
+counts on both sides of 8; then the head's GEMM. Each head case is a graph
+`[M, K] @ [N, K]^T` (N = 50,257, GPT-2's vocabulary, or 50,432, the head padded to
+whole 256-column tiles, then cut back to 50,257 as the model does), its output cast to
+float32 or not, compiled once and run at several row counts M,
 three times each, against torch's float32 product of the same inputs. A line per row
 count: the largest error, the rows and first columns that are off, whether the three
 runs agree. No case starts after SECONDS; lines go to stdout and `$OUT/head_gemm.txt`.
 Off a GPU it runs in float32 on the CPU (a check of the script).
-Record: `benchmarks/results/2026-11-29-gpu-h200-third-run.md`.
+Records: `benchmarks/results/2026-11-29-gpu-h200-third-run.md`,
+`benchmarks/results/2026-11-30-gpu-h200-fourth-run.md`.
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ SEQUENCES = {"one token": [1], "one prompt": [17], "four prompts": [5, 17, 64, 1
 """Ragged batches (tokens a sequence) for the model's last step: the final LayerNorm,
 the gather of each sequence's last row and the padded head, fused as the graph has
 them, with the rows taken either way (`ROWS`)."""
-ROWS = ("range", "minus-one")
-"""`range`: `offsets[1:] - range(n, 0, -1)` in int64 (`gpt2.last_rows`, 8caa0b1);
-`minus-one`: `offsets[1:] - 1` in uint32 (MAX's transformer, 9828764, aca7ef1)."""
+LAST_STEPS = (("range", True), ("minus-one", True), ("range", False), ("minus-one", False))
+"""(rows, every row's logits beside). `range`: `offsets[1:] - range(n, 0, -1)` in int64
+(`gpt2.last_rows` on the CPU, 8caa0b1); `minus-one`: `offsets[1:] - 1` in uint32 (MAX's
+transformer; the GPU's graph). On the H200 the model's bfloat16 graph chose wrong tokens
+with the range form where it also returned every row's logits (echo), and not without
+(`benchmarks/results/2026-11-30-gpu-h200-fourth-run.md`)."""
 
 
 def block_graph(n: int, k: int, dtype: DType, device: DeviceRef) -> Graph:
@@ -63,8 +68,9 @@ def block_graph(n: int, k: int, dtype: DType, device: DeviceRef) -> Graph:
     return graph
 
 
-def last_step_graph(rows: str, dtype: DType, device: DeviceRef) -> Graph:
-    """`GPT2.logits(gather(h, last rows))` as the model's graph builds it in bfloat16."""
+def last_step_graph(rows: str, all_rows: bool, dtype: DType, device: DeviceRef) -> Graph:
+    """`GPT2.logits(gather(h, last rows))` as the model's graph builds it in bfloat16;
+    with `all_rows`, also every row's logits as a second output (echo's)."""
     inputs = [
         TensorType(dtype, ["total", WIDTH], device=device),
         TensorType(DType.uint32, ["offsets"], device=device),
@@ -73,7 +79,7 @@ def last_step_graph(rows: str, dtype: DType, device: DeviceRef) -> Graph:
         TensorType(DType.float32, [WIDTH], device=device),
         TensorType(dtype, [PADDED, WIDTH], device=device),
     ]
-    with Graph(f"last_step_{rows}", input_types=inputs) as graph:
+    with Graph(f"last_step_{rows}_{all_rows}", input_types=inputs) as graph:
         h, offsets, n, gamma, beta, w = (value.tensor for value in graph.inputs)
         if rows == "range":
             back = ops.range(n[0], 0, -1, out_dim="n_range", device=device, dtype=DType.int64)
@@ -81,10 +87,13 @@ def last_step_graph(rows: str, dtype: DType, device: DeviceRef) -> Graph:
             index = ops.reshape(ends - back, [-1])
         else:
             index = offsets[1:] - 1
-        x = ops.gather(h, index, axis=0)
-        x = ops.cast(ops.layer_norm(ops.cast(x, DType.float32), gamma, beta, 1e-5), dtype)
-        y = ops.matmul(x, ops.transpose(w, 0, 1))[:, :VOCAB]
-        graph.output(ops.cast(y, DType.float32))
+
+        def logits(x):
+            x = ops.cast(ops.layer_norm(ops.cast(x, DType.float32), gamma, beta, 1e-5), dtype)
+            return ops.cast(ops.matmul(x, ops.transpose(w, 0, 1))[:, :VOCAB], DType.float32)
+
+        last = logits(ops.gather(h, index, axis=0))
+        graph.output(*([last, logits(h)] if all_rows else [last]))
     return graph
 
 
@@ -126,7 +135,7 @@ def main() -> None:
         for _ in range(3):
             if gpu:
                 torch.cuda.synchronize()  # torch's writes done before MAX reads
-            (out,) = model.execute(*inputs)
+            out = model.execute(*inputs)[0]  # the last rows' logits
             if gpu:
                 device.synchronize()
             runs.append(torch.from_dlpack(out).float().cpu())
@@ -143,24 +152,15 @@ def main() -> None:
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator) * scale).to(torch_dtype)
 
-    for label, (n, k) in BLOCKS.items():
-        if out_of_time():
-            return
-        model = load(block_graph(n, k, dtype, graph_device), label)
-        weight = randn(n, k, scale=0.05)
-        for m in BLOCK_ROW_COUNTS:
-            x = randn(m, k)
-            compare(f"{label} M={m}", model, [on_device(x), on_device(weight)],
-                    x.float() @ weight.float().T)
-
     weight = randn(PADDED, WIDTH, scale=0.05)
     weight[VOCAB:] = 0  # the padding rows are zero, as the model's
     gamma = 1 + torch.randn(WIDTH, generator=generator) * 0.1
     beta = torch.randn(WIDTH, generator=generator) * 0.1
-    for rows in ROWS:
+    for rows, all_rows in LAST_STEPS:
         if out_of_time():
             return
-        model = load(last_step_graph(rows, dtype, graph_device), f"last step, rows {rows}")
+        name = f"last step, rows {rows}{', all rows beside' if all_rows else ''}"
+        model = load(last_step_graph(rows, all_rows, dtype, graph_device), name)
         for label, lengths in SEQUENCES.items():
             h = randn(sum(lengths), WIDTH)
             ends = torch.tensor(lengths).cumsum(0) - 1
@@ -170,7 +170,17 @@ def main() -> None:
             inputs = [on_device(h), Buffer.from_numpy(offsets).to(device),
                       Buffer.from_numpy(np.ones(1, np.int64)), on_device(gamma), on_device(beta),
                       on_device(weight)]
-            compare(f"last step, rows {rows}, {label}", model, inputs, expected)
+            compare(f"{name}, {label}", model, inputs, expected)
+
+    for label, (n, k) in BLOCKS.items():
+        if out_of_time():
+            return
+        model = load(block_graph(n, k, dtype, graph_device), label)
+        weight = randn(n, k, scale=0.05)
+        for m in BLOCK_ROW_COUNTS:
+            x = randn(m, k)
+            compare(f"{label} M={m}", model, [on_device(x), on_device(weight)],
+                    x.float() @ weight.float().T)
 
     for rows, cut, cast in CASES:
         if out_of_time():

@@ -31,11 +31,20 @@ from .model_config import GPT2ArchConfig
 from .shims.internals import graph_value
 
 
-def last_rows(input_row_offsets: Tensor, return_n_logits: Tensor) -> Tensor:
+def last_rows(input_row_offsets: Tensor, return_n_logits: Tensor, drafts: bool) -> Tensor:
     """The rows of the ragged batch whose logits a step returns as `next_token_logits`:
     the last `return_n_logits[0]` of each sequence, sequence by sequence. MAX's steps
     ask for one (the last token's); checking a draft's tokens asks for them all
-    (`gpt2_max.speculate`), from the one graph."""
+    (`gpt2_max.speculate`), from the one graph, where the graph checks `drafts`.
+
+    Elsewhere (off the CPU, where no draft runs) the rows are MAX's own transformer's
+    last rows, `input_row_offsets[1:] - 1`. On an H200 the range form, in a bfloat16
+    graph that also returns every row's logits (echo), chose another token than
+    transformers at most steps and differed between two runs of one batch; this form
+    chose transformers' token at every clear step of those batches
+    (`benchmarks/results/2026-11-30-gpu-h200-fourth-run.md`)."""
+    if not drafts:
+        return input_row_offsets[1:] - 1
     back = ops.range(
         return_n_logits[0], 0, -1, out_dim="return_n_logits_range",
         device=input_row_offsets.device, dtype=DType.int64,
@@ -64,6 +73,12 @@ class GPT2(Module[..., ModuleV3Outputs]):
             if config.head_reads_wte
             else layers.linear("lm_head", config.hidden_size, config.head_rows, bias=False)
         )
+
+    @property
+    def drafts(self) -> bool:
+        """Whether a step may ask for several rows a sequence (`last_rows`): drafts are
+        checked on the CPU only."""
+        return self.config.devices[0].is_cpu()
 
     def logits(self, h: Tensor) -> Tensor:
         """Final LayerNorm and LM head for the rows of `h`, in float32 (what MAX's
@@ -101,7 +116,7 @@ class GPT2(Module[..., ModuleV3Outputs]):
             h = block(h, kv_collection, input_row_offsets)
 
         next_token_logits = self.logits(
-            F.gather(h, last_rows(input_row_offsets, return_n_logits), axis=0)
+            F.gather(h, last_rows(input_row_offsets, return_n_logits, self.drafts), axis=0)
         )
 
         mode = self.config.return_logits

@@ -77,22 +77,6 @@ def announce_compile(encoding: object, on_host: bool = True) -> None:
     )
 
 
-GPU_BFLOAT16_WARNING = (
-    f"{PACKAGE}: in the last GPU run (an H200), bfloat16 chose other next tokens than "
-    "transformers where the choice was clear, and one request sent twice could differ, "
-    "while float32 matched transformers: pass --quantization-encoding float32 on a GPU "
-    "until this is fixed (docs/max-26.7.md, issue 46)"
-)
-"""Said at every bfloat16 load on an accelerator until a GPU run shows the package's
-bfloat16 graph right there (`benchmarks/results/2026-11-29-gpu-h200-third-run.md`)."""
-
-
-def warn_if_known_wrong(encoding: object, on_host: bool) -> None:
-    """The `GPU_BFLOAT16_WARNING`, where it applies: bfloat16 off the host."""
-    if not on_host and str(encoding) == "bfloat16":
-        logger.warning(GPU_BFLOAT16_WARNING)
-
-
 class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
     """GPT2LMHeadModel on MAX, with a paged KV cache and ragged batching.
 
@@ -117,7 +101,6 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
         hooks), then lets the checkpoint's file go (`weights.formats`)."""
         encoding = self.pipeline_config.model.quantization_encoding
         on_host = self.devices[0].is_host
-        warn_if_known_wrong(encoding, on_host)
         announce_compile(encoding, on_host)
         load = super().load_model
         for extension in reversed(self.extensions):

@@ -9,7 +9,6 @@ resident beside those copies for the server's lifetime.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,7 +18,6 @@ import torch
 from max.pipelines import AutoModel
 from safetensors.torch import load_file, save_file
 
-from gpt2_max.model import GPU_BFLOAT16_WARNING, warn_if_known_wrong
 from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import (
     hf_greedy,
@@ -61,19 +59,6 @@ def test_a_checkpoint_with_nan_weights_is_refused_before_the_compile(tmp_path, k
     with pytest.raises(CheckpointError, match=r"tensor 'h.1.mlp.c_fc.weight' holds 7 NaN"):
         AutoModel(str(folder), max_batch_size=1, devices="cpu",
                   custom_architectures=[PACKAGE], **weights)
-
-
-@pytest.mark.tier("unit")
-@pytest.mark.parametrize(
-    ("encoding", "on_host", "warned"),
-    [("bfloat16", False, True), ("float32", False, False), ("float32", True, False)],
-)
-def test_a_bfloat16_load_on_an_accelerator_says_it_is_known_wrong(
-    encoding, on_host, warned, caplog
-):
-    with caplog.at_level(logging.WARNING, logger="max.pipelines"):
-        warn_if_known_wrong(encoding, on_host)
-    assert (GPU_BFLOAT16_WARNING in caplog.text) == warned
 
 
 @pytest.mark.parametrize("weights", ["float16 folder", "q8_0 gguf"])

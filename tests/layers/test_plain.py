@@ -30,6 +30,7 @@ from gpt2_max.encodings import PACKED_TYPES
 from gpt2_max.gguf.adapter import convert_gguf_state_dict
 from gpt2_max.gguf.names import gguf_name
 from gpt2_max.gguf.quants import quantize
+from gpt2_max.gpt2 import GPT2
 from gpt2_max.layers import LAYERS_ENV, Layers, layers_for
 from gpt2_max.model_config import HEAD_ROW_MULTIPLE, GPT2ArchConfig
 from gpt2_max.names import PACKAGE
@@ -62,11 +63,13 @@ def test_plain_layers_match_transformers(plain_model, hf_models):
     assert_matches(plain_model, hf_models("default"))
 
 
-def test_a_padded_head_gives_the_same_logits(checkpoints, tmp_path, monkeypatch, hf_models):
-    """The GPU's padded LM head (`head_rows`), forced on the CPU: the padding's zero
-    rows and the cut back to the vocabulary leave every logit as transformers' are."""
+def test_the_gpus_graph_gives_the_same_logits(checkpoints, tmp_path, monkeypatch, hf_models):
+    """The GPU's graph forced on the CPU: its padded LM head (`head_rows`), whose zero
+    rows and cut back to the vocabulary leave every logit as transformers' are, and its
+    last rows without drafts (`gpt2.last_rows`), one a sequence."""
     padded = property(lambda config: config.vocab_size + HEAD_ROW_MULTIPLE - 1)
     monkeypatch.setattr(GPT2ArchConfig, "head_rows", padded)
+    monkeypatch.setattr(GPT2, "drafts", property(lambda module: False))
     monkeypatch.setenv(LAYERS_ENV, "plain")
     folder = shutil.copytree(checkpoints("default", "hub"), tmp_path / "checkpoint")
     model = AutoModel(
