@@ -8,12 +8,14 @@ A VARIANT is `NAME:TREE[:SETTING,...]`: TREE is a folder holding a `gpt2_max` pa
 (`.` for this checkout; another revision's with
 `mkdir -p .dev/trees/R && git archive R gpt2_max | tar x -C .dev/trees/R`), and each
 SETTING is `encoding=float32`, `echo=0`, or `NAME=VALUE` for the worker's environment
-(`MODULAR_DEBUG=device-sync-mode`). Each worker runs a batch of four prompts, the same
-batch again, and each prompt alone, 48 greedy tokens each, and reports, per prompt,
-the steps where transformers float32's top-2 margin is above 0.1 and how many of them
-chose another token, and whether the three runs agree. `OUT_DIR/bisect.json` and one
-log per variant are written as each worker ends.
-Record: `benchmarks/results/2026-11-29-gpu-h200-third-run.md`.
+(`MODULAR_DEBUG=device-sync-mode`). Each worker runs a batch of the prompts
+(`BISECT_LENGTHS`), the same batch again, and each prompt alone, 48 greedy tokens each,
+and reports, per prompt, the steps where transformers float32's top-2 margin is above
+0.1, which of them chose another token, which of them transformers' own bfloat16 run
+would have chosen otherwise, and whether the three runs agree. `OUT_DIR/bisect.json`
+and one log per variant are written as each worker ends.
+Records: `benchmarks/results/2026-11-29-gpu-h200-third-run.md`,
+`benchmarks/results/2026-11-30-gpu-h200-fourth-run.md`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT_LENGTHS = (5, 17, 64, 130)
+PROMPT_LENGTHS = tuple(int(n) for n in os.environ.get("BISECT_LENGTHS", "5,17,64,130").split(","))
+"""Tokens in each prompt (`BISECT_LENGTHS`): a prompt past 128 tokens crosses a KV page."""
 NEW_TOKENS = 48
 MARGIN = 0.1
 VOCAB = 50257
@@ -40,21 +43,29 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def clear_and_differing(reference, device: str, prompt: list[int], tokens: list[int]):
-    """transformers float32's clear steps after `prompt` along `tokens`, and where
-    `tokens` holds another token at one of them (step indices). Written out here, as
-    `prompts` is, rather than taken from `gpt2_max.testing`: a worker's `gpt2_max` is
-    the tree under test, an older copy of the package."""
+def clear_and_differing(reference, peer, device: str, prompt: list[int], tokens: list[int]):
+    """transformers float32's clear steps after `prompt` along `tokens`, where `tokens`
+    holds another token at one of them (step indices), and where transformers'
+    own bfloat16 run (`peer`, on the same tokens) picks another token at one of them:
+    the peer's misses are what bfloat16 alone costs. Written out here, as `prompts` is,
+    rather than taken from `gpt2_max.testing`: a worker's `gpt2_max` is the tree under
+    test, an older copy of the package."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    ids = torch.tensor([prompt + tokens], device=device)
     with torch.no_grad():
-        logits = reference(torch.tensor([prompt + tokens], device=device)).logits[0]
-    rows = torch.log_softmax(logits[len(prompt) - 1 : -1, :VOCAB].double(), -1)
+        logits, peer_logits = (
+            model(ids).logits[0, len(prompt) - 1 : -1, :VOCAB].double()
+            for model in (reference, peer)
+        )
+    rows = torch.log_softmax(logits, -1)
     top2 = rows.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > MARGIN
     differ = clear & (rows.argmax(-1).cpu() != torch.tensor(tokens)).to(clear.device)
-    return int(clear.sum()), [int(i) for i in torch.nonzero(differ).flatten()]
+    peer_differ = clear & (peer_logits.argmax(-1) != rows.argmax(-1))
+    return (int(clear.sum()), [int(i) for i in torch.nonzero(differ).flatten()],
+            [int(i) for i in torch.nonzero(peer_differ).flatten()])
 
 
 def worker(checkpoint: str, out: str, encoding: str, echo: bool) -> None:
@@ -66,7 +77,8 @@ def worker(checkpoint: str, out: str, encoding: str, echo: bool) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     began = time.monotonic()
     model = AutoModel(
-        checkpoint, devices="gpu" if device == "cuda" else "cpu", max_batch_size=4,
+        checkpoint, devices="gpu" if device == "cuda" else "cpu",
+        max_batch_size=len(PROMPT_LENGTHS),
         custom_architectures=["gpt2_max"], device_memory_utilization=0.1, enable_echo=echo,
         **({} if encoding == "default" else {"quantization_encoding": encoding}),
     )
@@ -78,6 +90,7 @@ def worker(checkpoint: str, out: str, encoding: str, echo: bool) -> None:
 
     ps = prompts()
     reference = GPT2LMHeadModel.from_pretrained(checkpoint).to(device).eval()
+    peer = GPT2LMHeadModel.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
     report = {"encoding": str(model.pipeline_config.model.quantization_encoding),
               "load_s": round(loaded, 1), "runs": {}}
     runs = {}
@@ -85,8 +98,8 @@ def worker(checkpoint: str, out: str, encoding: str, echo: bool) -> None:
                       ("alone", lambda: [greedy([p])[0] for p in ps])):
         runs[name] = run()
         report["runs"][name] = [
-            dict(zip(("clear", "differing_steps"),
-                     clear_and_differing(reference, device, p, t), strict=True))
+            dict(zip(("clear", "differing_steps", "transformers_bfloat16_differing"),
+                     clear_and_differing(reference, peer, device, p, t), strict=True))
             for p, t in zip(ps, runs[name], strict=True)
         ]
         Path(out).write_text(json.dumps(report))  # each run as it ends: a cut call keeps it
