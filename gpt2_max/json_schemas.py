@@ -28,6 +28,7 @@ fixes.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 INTEGER_DIGITS = 15
@@ -43,6 +44,29 @@ NUMBER_RULE = (
 
 _NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "description"})
 """Keywords whose values are data, not subschemas, and are never rewritten."""
+_NAMED_SCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+"""Keywords whose values map names to subschemas: a name there is not a keyword (a
+property called `description` holds a schema)."""
+
+
+def _children(node: Any, is_schema: bool = True) -> list[tuple[Any, bool]]:
+    """The values inside `node` (a JSON value), each with whether it is a subschema:
+    the one rule every walk of a schema here follows."""
+    if isinstance(node, list):
+        return [(item, is_schema) for item in node]
+    if not isinstance(node, dict):
+        return []
+    if not is_schema:
+        return [(value, False) for value in node.values()]
+    children = []
+    for key, value in node.items():
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            children += [(sub, True) for sub in value.values()]
+        else:
+            children.append((value, key not in _NOT_SCHEMAS))
+    return children
 
 _VALUE_TYPES = frozenset({"string", "number", "integer", "boolean", "null"})
 
@@ -64,6 +88,18 @@ the model worker, grows with their count until the worker is killed
 
 class SchemaError(ValueError):
     """A schema that has no finite value, or is larger than a request may ask for."""
+
+
+def loaded(schema: Any) -> Any:
+    """`schema`, read first where it is JSON text. Raises `SchemaError` for text that is
+    not JSON, or nests past what Python's reader follows (`RecursionError`)."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except (ValueError, RecursionError) as error:
+        reason = "it nests too deep to read" if isinstance(error, RecursionError) else error
+        raise SchemaError(f"json_schema is not valid JSON: {reason}") from None
 
 
 def prepare(schema: Any, *, multiple_of: bool) -> Any:
@@ -94,10 +130,7 @@ def check_size(schema: Any) -> None:
             raise SchemaError(f"json_schema nests deeper than {MAX_DEPTH} levels.")
         if isinstance(node, dict):
             numbers += is_schema and bool(_types(node) & {"number", "integer"})
-            stack.extend((value, depth + 1, is_schema and key not in _NOT_SCHEMAS)
-                         for key, value in node.items())
-        elif isinstance(node, list):
-            stack.extend((item, depth + 1, is_schema) for item in node)
+        stack.extend((child, depth + 1, sub) for child, sub in _children(node, is_schema))
     if numbers > MAX_NUMBERS:
         raise SchemaError(
             f"json_schema holds {numbers} number or integer fields; at most {MAX_NUMBERS} "
@@ -139,22 +172,23 @@ def _bound(node: Any, multiple_of: bool) -> None:
         return
     types = _types(node)
     if types & {"number", "integer"}:
-        # A bound that is not a number is left as it is, for the engine to refuse.
-        if "exclusiveMinimum" not in node and _number(low := node.get("minimum", -NUMBER_LIMIT)):
-            node["minimum"] = max(low, -NUMBER_LIMIT)
-        if "exclusiveMaximum" not in node and _number(high := node.get("maximum", NUMBER_LIMIT)):
-            node["maximum"] = min(high, NUMBER_LIMIT)
+        # A bound that is not a number is left as it is, for the engine to refuse. An
+        # exclusive bound is tightened to one past the limit (xgrammar refuses one far
+        # out, 1e300); the inclusive one is tightened, or added where neither is given.
+        for keyword, exclusive, limit in (("minimum", "exclusiveMinimum", -NUMBER_LIMIT),
+                                          ("maximum", "exclusiveMaximum", NUMBER_LIMIT)):
+            tighter = max if limit < 0 else min
+            if _number(bound := node.get(exclusive)):
+                node[exclusive] = tighter(bound, limit + (1 if limit > 0 else -1))
+            if (keyword in node or exclusive not in node) and _number(
+                bound := node.get(keyword, limit)
+            ):
+                node[keyword] = tighter(bound, limit)
         if multiple_of and "number" in types and "multipleOf" not in node:
             node["multipleOf"] = 10.0**-FRACTION_DIGITS
-    for key, value in node.items():
-        if key in _NOT_SCHEMAS:
-            continue
-        if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-            if isinstance(value, dict):
-                for sub in value.values():
-                    _bound(sub, multiple_of)
-        else:
-            _bound(value, multiple_of)
+    for child, is_schema in _children(node):
+        if is_schema:
+            _bound(child, multiple_of)
 
 
 def _index(part: str, length: int) -> int | None:
@@ -182,16 +216,11 @@ def _resolve(schema: Any, ref: str) -> Any:
 
 
 def _local_refs(node: Any, found: set[str]) -> set[str]:
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            found.add(ref)
-        for key, value in node.items():
-            if key not in _NOT_SCHEMAS:
-                _local_refs(value, found)
-    elif isinstance(node, list):
-        for item in node:
-            _local_refs(item, found)
+    if isinstance(node, dict) and isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
+        found.add(ref)
+    for child, is_schema in _children(node):
+        if is_schema:
+            _local_refs(child, found)
     return found
 
 
@@ -199,79 +228,119 @@ Blocked = list[tuple[str, str]]
 """(how it is reached, `$ref`) pairs that keep a schema from a finite value."""
 
 
-def _blocked(node: Any, finite: dict[str, bool], via: str) -> Blocked | None:
-    """None if `node` has a finite value given which `$ref`s are `finite`, else what blocks it.
+class _Term:
+    """A node of the formula that says whether a (sub)schema has a finite value: true
+    once `need` of its children are (all of them for a schema's parts, one for a
+    choice of branches; none is true for a choice of none). A `$ref` is a leaf whose
+    one child is its definition's term."""
 
-    Structural only: whether a value of each required part exists, not whether
-    string lengths or ranges can be met (the engines' compile checks those). A
-    keyword of the wrong shape (`properties` not an object) blocks nothing here: the
-    engine refuses it, naming it.
-    """
-    if not isinstance(node, dict):
-        return [] if node is False else None
-    if "const" in node or "enum" in node:
-        return None
-    blocked: Blocked = []
-    failed = False
-    ref = node.get("$ref")
-    if isinstance(ref, str) and not finite.get(ref, True):
-        blocked.append((via, ref))
-        failed = True
-    for sub in _list(node.get("allOf")):
-        if (inner := _blocked(sub, finite, via)) is not None:
-            blocked += inner
-            failed = True
-    for key in ("anyOf", "oneOf"):
-        if isinstance(node.get(key), list):
-            branches = [_blocked(sub, finite, via) for sub in node[key]]
-            if all(branch is not None for branch in branches):
-                blocked += [pair for branch in branches for pair in branch]  # type: ignore[union-attr]
-                failed = True
-    if (inner := _blocked_by_type(node, finite, via)) is not None:
-        blocked += inner
-        failed = True
-    return blocked if failed else None
+    __slots__ = ("children", "need", "parents", "ref", "true", "via")
+
+    def __init__(self, children: list[_Term], need: int, ref: str = "", via: str = "") -> None:
+        self.children, self.need, self.ref, self.via = children, need, ref, via
+        self.parents: list[_Term] = []
+        self.true = False
+        for child in children:
+            child.parents.append(self)
 
 
-def _blocked_by_type(node: dict[str, Any], finite: dict[str, bool], via: str) -> Blocked | None:
-    types = _types(node)
-    if not types:
-        if {"properties", "required", "additionalProperties"} & node.keys():
-            types = {"object"}
-        elif {"items", "prefixItems", "minItems"} & node.keys():
-            types = {"array"}
+class _Formula:
+    """The terms of a schema and of each local `$ref`'s definition, each subschema's
+    built once, and which of them are true: the least fixed point, reached by visiting
+    each term and each link once (a chain of refs is read once, not once per link).
+
+    Structural only: whether a value of each required part exists, not whether string
+    lengths or ranges can be met (the engines' compile checks those). A keyword of the
+    wrong shape (`properties` not an object) blocks nothing here: the engine refuses
+    it, naming it."""
+
+    def __init__(self, schema: Any, refs: dict[str, Any]) -> None:
+        self.terms: list[_Term] = []
+        self._built: dict[int, _Term] = {}
+        self._leaves: dict[str, list[_Term]] = {ref: [] for ref in refs}
+        self.root = self._term(schema)
+        self.definitions = {ref: self._term(True if target is None else target)
+                            for ref, target in refs.items()}
+        for ref, definition in self.definitions.items():
+            for leaf in self._leaves[ref]:
+                leaf.children.append(definition)
+                definition.parents.append(leaf)
+        ready = [term for term in self.terms if term.need <= 0]
+        while ready:
+            term = ready.pop()
+            term.true = True
+            for parent in term.parents:
+                parent.need -= 1
+                if parent.need == 0:
+                    ready.append(parent)
+
+    def _new(self, children: list[_Term], any_of: bool = False, **leaf: str) -> _Term:
+        need = (1 if any_of else len(children)) if not leaf else 1
+        self.terms.append(term := _Term(children, need, **leaf))
+        return term
+
+    def _term(self, node: Any, via: str = "") -> _Term:
+        if not isinstance(node, dict):
+            return self._new([self._new([], any_of=True)] if node is False else [])
+        if (known := self._built.get(id(node))) is not None:
+            return known
+        parts: list[_Term] = []
+        if not ("const" in node or "enum" in node):
+            if isinstance(ref := node.get("$ref"), str) and ref in self._leaves:
+                parts.append(leaf := self._new([], ref=ref, via=via))
+                self._leaves[ref].append(leaf)
+            parts += [self._term(sub, via) for sub in _list(node.get("allOf"))]
+            parts += [self._new([self._term(sub, via) for sub in node[key]], any_of=True)
+                      for key in ("anyOf", "oneOf") if isinstance(node.get(key), list)]
+            parts += self._by_type(node)
+        self._built[id(node)] = term = self._new(parts)
+        return term
+
+    def _by_type(self, node: dict[str, Any]) -> list[_Term]:
+        types = _types(node)
+        if not types:
+            if {"properties", "required", "additionalProperties"} & node.keys():
+                types = {"object"}
+            elif {"items", "prefixItems", "minItems"} & node.keys():
+                types = {"array"}
+        if not types or types & _VALUE_TYPES:
+            return []
+        ways = []
+        if "object" in types:
+            properties = node.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            extra = node.get("additionalProperties", True)
+            ways.append(self._new([
+                self._term(properties.get(name, extra if isinstance(extra, dict) else True),
+                           f"property {name!r}")
+                for name in _list(node.get("required")) if isinstance(name, str)
+            ]))
+        if "array" in types:
+            prefix = _list(node.get("prefixItems"))
+            least = max(0, _count(node.get("minItems", 0)) or 0)
+            # Items past the prefix all follow `items`: the first of them stands for the rest.
+            required = [*prefix[:least], *[node.get("items", True)][: least > len(prefix)]]
+            ways.append(self._new([self._term(sub, f"item {index}")
+                                   for index, sub in enumerate(required)]))
+        return [self._new(ways, any_of=True)]
+
+
+def _blocking(term: _Term) -> Blocked:
+    """The refs not found finite that keep `term` false, each with how it is reached:
+    the leaves under it through false terms, not through other definitions."""
+    found: Blocked = []
+    seen: set[int] = set()
+    stack = [term]
+    while stack:
+        term = stack.pop()
+        if term.true or id(term) in seen:
+            continue
+        seen.add(id(term))
+        if term.ref:
+            found.append((term.via, term.ref))
         else:
-            return None
-    if types & _VALUE_TYPES:
-        return None
-    blocked: Blocked = []
-    if "object" in types:
-        properties = node.get("properties")
-        properties = properties if isinstance(properties, dict) else {}
-        extra = node.get("additionalProperties", True)
-        inner_blocked: Blocked = []
-        for name in _list(node.get("required")):
-            if not isinstance(name, str):
-                continue
-            sub = properties.get(name, extra if isinstance(extra, dict) else True)
-            if (inner := _blocked(sub, finite, f"property {name!r}")) is not None:
-                inner_blocked += inner or [(f"property {name!r}", "")]
-        if not inner_blocked:
-            return None
-        blocked += inner_blocked
-    if "array" in types:
-        prefix = _list(node.get("prefixItems"))
-        least = max(0, _count(node.get("minItems", 0)) or 0)
-        # Items past the prefix all follow `items`: the first of them stands for the rest.
-        required = [*prefix[:least], *[node.get("items", True)][: least > len(prefix)]]
-        inner_blocked = []
-        for index, sub in enumerate(required):
-            if (inner := _blocked(sub, finite, f"item {index}")) is not None:
-                inner_blocked += inner
-        if not inner_blocked:
-            return None
-        blocked += inner_blocked
-    return blocked
+            stack += reversed(term.children)  # the first part first
+    return found
 
 
 def _list(value: Any) -> list[Any]:
@@ -281,36 +350,22 @@ def _list(value: Any) -> list[Any]:
 def infinite_cycle(schema: Any) -> str | None:
     """The `$ref` cycle that leaves `schema` no finite value, written out; else None.
 
-    Which local `$ref`s have a finite value is the least fixed point of
-    `_blocked` over them, reached from every ref once and then again only from the
-    refs that use one just found finite (a chain of refs is read once, not once per
-    link); a schema blocked only by refs that lead back to themselves is named by
-    one such cycle.
+    Which local `$ref`s have a finite value is the least fixed point of the schema's
+    formula (`_Formula`); a schema blocked only by refs that lead back to themselves
+    is named by one such cycle.
     """
     named = _local_refs(schema, set())
     if len(named) > MAX_REFS:
         raise SchemaError(
             f"json_schema holds {len(named)} distinct $refs; at most {MAX_REFS} are served."
         )
-    refs = {ref: _resolve(schema, ref) for ref in named}
-    finite = {ref: target is None for ref, target in refs.items()}
-    users: dict[str, set[str]] = {ref: set() for ref in refs}
-    for ref, target in refs.items():
-        for used in _local_refs(target, set()) & users.keys():
-            users[used].add(ref)
-    pending = [ref for ref in refs if not finite[ref]]
-    while pending:
-        ref = pending.pop()
-        if not finite[ref] and _blocked(refs[ref], finite, "") is None:
-            finite[ref] = True
-            pending += users[ref]
-    blocked = _blocked(schema, finite, "")
-    if not blocked:
+    formula = _Formula(schema, {ref: _resolve(schema, ref) for ref in named})
+    if formula.root.true:
         return None
-    edges = {ref: _blocked(refs[ref], finite, "") or [] for ref in refs if not finite[ref]}
+    edges = {ref: _blocking(term) for ref, term in formula.definitions.items() if not term.true}
     done: set[str] = set()
-    for _, start in blocked:
-        if start and (cycle := _find_cycle(start, edges, done)):
+    for _, start in _blocking(formula.root):
+        if cycle := _find_cycle(start, edges, done):
             return cycle
     return None
 

@@ -20,7 +20,6 @@ with no finite value in both front doors.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,18 +31,14 @@ from max.driver import Buffer
 from max.pipelines.context import ProcessorInputs, TextContext
 from transformers import PreTrainedTokenizerFast
 
-from ..json_schemas import prepare
+from ..json_schemas import loaded, prepare
 from ..shims.internals import run_again
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def _json_schema(schema: str | dict[str, Any]) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"not valid JSON: {error}") from None
+    schema = loaded(schema)
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}.")
     schema = prepare(schema, multiple_of=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from max.pipelines.modeling.types.utils.serialization import (
 )
 
 from ..arch import gpt2_arch
+from ..json_schemas import loaded
 from ..names import PACKAGE
 from ..shims import internals, request_bodies
 from ..shims.internals import openai_response_format, xgrammar_backend
@@ -179,8 +179,7 @@ class Options:
         """The OpenAI `response_format` a client would send for a JSON constraint."""
         if self.json_object:
             return {"type": "json_object"}
-        schema = self.json_schema
-        schema = json.loads(schema) if isinstance(schema, str) else schema
+        schema = loaded(self.json_schema)
         return {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
 
 

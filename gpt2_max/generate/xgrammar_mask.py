@@ -25,23 +25,17 @@ default (llguidance, with fast-forward tokens) stays what it was.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from max.pipelines.context import TextContext
 
-from ..json_schemas import prepare
+from ..json_schemas import loaded, prepare
 
 
 def compile_json_schema(backend: Any, schema: str | dict[str, Any]) -> Any:
     """`schema` as the server compiles it, or ValueError with xgrammar's reason."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"json_schema: not valid JSON: {error}") from None
-    schema = prepare(schema, multiple_of=False)
+    schema = prepare(loaded(schema), multiple_of=False)
     try:
         return backend.compile_json_schema(schema)
     except Exception as error:  # xgrammar raises RuntimeError or ValueError

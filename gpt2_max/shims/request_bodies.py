@@ -159,8 +159,8 @@ def check(body: Any) -> None:
     (no prompt, several streamed, an integer past `INTEGERS`) or "Invalid JSON."
     (`RENDERING_ARGUMENTS` in `chat_template_kwargs`), pass on to the sampler
     (a number that is not finite), or answer without a field it sets (`UNSERVED`,
-    echoed text, `top_logprobs` without `logprobs`, a chat content part that is not
-    text)."""
+    echoed text, `top_logprobs` without `logprobs`, `stream_options` without a stream,
+    a chat content part that is not text)."""
     for name, value in vars(body).items():
         for number in integers(value):
             if not INTEGERS[0] <= number <= INTEGERS[1]:
@@ -176,6 +176,9 @@ def check(body: Any) -> None:
     if getattr(body, "top_logprobs", None) is not None and not getattr(body, "logprobs", None):
         raise InputError("top_logprobs is set and logprobs is not: set logprobs to true to "
                          "get log-probabilities.")
+    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", False):
+        raise InputError("stream_options is set and stream is not: the options (such as "
+                         "include_usage) apply to a stream; set stream to true.")
     for message in getattr(body, "messages", None) or ():
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():

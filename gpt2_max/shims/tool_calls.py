@@ -16,7 +16,12 @@ exponential time on the API process's event loop, which then answers nothing mor
   `patternProperties` of the client's schema through Python's `re`: `^(a+)+$`
   against forty `a` and a `!` never ends. A schema holding either keyword is
   left unchecked (`checked_without_patterns`), as MAX leaves a schema it cannot
-  compile: that check never answers the client.
+  compile: that check never answers the client. `jsonschema` also walks every
+  branch of `allOf`/`anyOf`/`oneOf` again for each way a `$ref` chain reaches it:
+  thirty definitions each holding two refs to the next (1.5 KB) take hours. The
+  validators it builds stop after `CHECK_STEPS` keyword checks an answer
+  (`WithinSteps`), and an answer checked no further counts as conforming, as one
+  whose check raises does in MAX.
 
 Installed by `shims.install`; it acts in the API process, for every model served.
 """
@@ -26,7 +31,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _VALUE_START = re.compile(r'[-0-9tfn"\[{]')
@@ -62,14 +68,60 @@ def json_values(text: str) -> list[Any]:
     return values
 
 
+CHECK_STEPS = 10_000
+"""The keyword checks (`type`, `properties`, `$ref`, ...) the conformance log may spend
+on one answer, each some microseconds of the API's event loop: enough for an answer of
+hundreds of fields."""
+
+
+class OutOfSteps(RuntimeError):
+    """A conformance check past `CHECK_STEPS`."""
+
+
+_steps = threading.local()
+
+
+def _counted(check: Callable[..., Any]) -> Callable[..., Any]:
+    def counted(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        _steps.left = getattr(_steps, "left", CHECK_STEPS) - 1
+        if _steps.left < 0:
+            raise OutOfSteps(f"schema conformance check past {CHECK_STEPS} steps")
+        return check(validator, value, instance, schema)
+
+    return counted
+
+
+@functools.cache
+def _counting_validator() -> type:
+    """Draft 7 (MAX's dialect) with every keyword check counted."""
+    from jsonschema import Draft7Validator, validators
+
+    counted = {keyword: _counted(check) for keyword, check in Draft7Validator.VALIDATORS.items()}
+    return validators.extend(Draft7Validator, counted)
+
+
+class WithinSteps:
+    """A validator whose `iter_errors`, the one method MAX's checks call, raises
+    `OutOfSteps` after `CHECK_STEPS` keyword checks of one answer."""
+
+    def __init__(self, schema: Any) -> None:
+        self._validator = _counting_validator()(schema)
+
+    def iter_errors(self, instance: Any) -> Iterator[Any]:
+        _steps.left = CHECK_STEPS
+        yield from self._validator.iter_errors(instance)
+
+
 def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any]:
     """MAX's cached `_build_validator`, which gives no validator (the answer counts as
-    conforming) for a schema holding a regular expression (`REGEX_KEYWORDS`)."""
+    conforming) for a schema holding a regular expression (`REGEX_KEYWORDS`), and
+    otherwise one that stops after `CHECK_STEPS` (`WithinSteps`)."""
     @functools.wraps(build)
     def built(schema_key: str) -> Any:
         if any(keyword in schema_key for keyword in REGEX_KEYWORDS):
             return None
-        return build(schema_key)
+        validator = build(schema_key)
+        return None if validator is None else WithinSteps(validator.schema)
 
     built.skips_patterns = True  # type: ignore[attr-defined]
     return built
@@ -78,7 +130,7 @@ def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any
 def install() -> None:
     """Puts `json_values` where the llama tool parser and the chat route call
     `parse_json_from_text`, and `checked_without_patterns` around the conformance
-    checks' validator (once). MAX's modules are imported here, not with this one: the
+    checks' validator builder (once). MAX's modules are imported here, not with this one: the
     validator's is private."""
     from max.serve import _tool_call_validation
     from max.serve.parser import llama_tool_parser

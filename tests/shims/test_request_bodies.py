@@ -53,6 +53,7 @@ def body(prompt="Hi", stream=False, **fields):
         ("Hi", False, dict(functions=iter([{"name": "f"}])), "functions is not served"),
         ("Hi", False, dict(web_search_options={}), "does not search the web"),
         ("Hi", False, dict(logprobs=False, top_logprobs=0), "top_logprobs is set and logprobs"),
+        ("Hi", False, dict(stream_options={"include_usage": True}), "stream_options is set and"),
         ("Hi", False, dict(logit_bias={str(i): 1 for i in range(1000)}), r"\.\.\.\} is not"),
     ],
 )
@@ -75,6 +76,8 @@ def test_bodies_the_routes_answer_wrongly_are_refused_naming_the_cause(
         ("Hi", False, dict(modalities=["text"], audio=None, functions=None, function_call=None,
                            web_search_options=None, logprobs=True, top_logprobs=3)),
         ("Hi", False, dict(modalities=None, logprobs=None, top_logprobs=None)),
+        ("Hi", True, dict(stream_options={"include_usage": True})),
+        ("Hi", False, dict(stream_options=None)),
     ],
 )
 def test_other_bodies_pass(prompt, stream, fields):

@@ -67,3 +67,47 @@ def test_install_puts_the_finder_where_maxs_parsers_call_it():
     assert _tool_call_validation._build_validator is built and built.skips_patterns
     assert llama_tool_parser.parse_json_from_text is tool_calls.json_values
     assert openai_routes.parse_json_from_text is tool_calls.json_values
+
+
+def doubling_refs(levels: int) -> dict:
+    """`levels` definitions, each `allOf` two refs to the next: jsonschema walks the last
+    one 2**levels times for one answer."""
+    defs = {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(levels)}
+    defs[f"d{levels}"] = {"type": "object", "required": ["a"], "additionalProperties": False,
+                          "properties": {"a": {"type": "boolean"}}}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def test_the_conformance_check_stops_after_its_steps(monkeypatch):
+    """Thirty doubling refs in 1.5 KB held MAX's check for hours on the API's event loop:
+    it stops after `CHECK_STEPS` keyword checks and counts the answer as conforming,
+    and a check within them still finds a mismatch."""
+    tool_calls.install()
+    steps = 0
+    counted = tool_calls._counted
+
+    def counting(check):
+        inner = counted(check)
+
+        def step(*args):
+            nonlocal steps
+            steps += 1
+            return inner(*args)
+
+        return step
+
+    monkeypatch.setattr(tool_calls, "_counted", counting)
+    tool_calls._counting_validator.cache_clear()
+    try:
+        for answer in ('{"a": true}', '{"a": 1}'):
+            result = _tool_call_validation.check_response_format_conformance(
+                answer, doubling_refs(30))
+            assert result.outcome == "valid"
+            (call,) = _tool_call_validation.check_tool_call_conformance(
+                [("f", answer)], {"f": doubling_refs(30)})
+            assert call.outcome == "valid"
+        assert steps <= 4 * (tool_calls.CHECK_STEPS + 1)
+        assert _tool_call_validation.check_response_format_conformance(
+            '{"a": 1}', doubling_refs(4)).outcome == "schema_mismatch"
+    finally:
+        tool_calls._counting_validator.cache_clear()
