@@ -128,6 +128,7 @@ def test_own_stop_tokens_stop_a_request_that_ignores_eos(checkpoints, max_models
     ({"temperature": "hot"}, r"\(temperature='hot'\).*must be real number"),
     ({"min_new_tokens": 64}, r"min_new_tokens \(64\) leaves no room for a prompt in the "
                              r"window of 64 tokens"),
+    ({"repetition_penalty": 1e-39}, r"repetition_penalty=1e-39 is below 1e-30"),
     ({"do_sample": False, "repetition_penalty": 1.3, "min_new_tokens": 63}, None),
 ])
 def test_sampling_defaults_max_would_refuse_in_every_request_are_refused_at_load(

@@ -386,6 +386,21 @@ def greedy_below(params: SamplingParams) -> SamplingParams:
     return params
 
 
+PENALTY_FLOOR = 1e-30
+"""The least `repetition_penalty` served. MAX divides a repeated token's positive logit
+by it in float32, which past 3.4e38 is infinite: at 1e-39 the draws came from NaN
+probabilities (answered 200, `null` log-probabilities). At 1e-30 a logit would have to
+pass 3.4e8."""
+
+
+def check_penalty(params: SamplingParams) -> SamplingParams:
+    """`params`, or ValueError for a `repetition_penalty` below `PENALTY_FLOOR`."""
+    if params.repetition_penalty < PENALTY_FLOOR:
+        raise ValueError(f"repetition_penalty={params.repetition_penalty} is below "
+                         f"{PENALTY_FLOOR}: a logit divided by it overflows float32.")
+    return params
+
+
 class ClientStopTokenIds(list):
     """A request's `stop_token_ids` as its client sent them, told apart from the list
     MAX puts there from `generation_config.json` when it sent none: the client's ids
@@ -397,7 +412,8 @@ class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
     (`from_input_and_generation_config`) raises its range checks as `InputError`,
     turns `SeedZero` back into 0, marks the client's `stop_token_ids`
-    (`ClientStopTokenIds`) and samples greedily below `GREEDY_BELOW`."""
+    (`ClientStopTokenIds`), refuses a `repetition_penalty` below `PENALTY_FLOOR` and
+    samples greedily below `GREEDY_BELOW`."""
 
     @staticmethod
     @raises_input_error
@@ -407,8 +423,8 @@ class CheckedSamplingParams(SamplingParams):
         if params.stop_token_ids is not None:
             params = dataclasses.replace(
                 params, stop_token_ids=ClientStopTokenIds(params.stop_token_ids))
-        return greedy_below(SamplingParams.from_input_and_generation_config(
-            params, *args, **kwargs))
+        return greedy_below(check_penalty(SamplingParams.from_input_and_generation_config(
+            params, *args, **kwargs)))
 
 
 def install() -> None:

@@ -395,6 +395,23 @@ def test_a_temperature_too_small_for_float32_logits_is_greedy(temperature, greed
     assert (params.temperature == 0 and params.top_k == 1) == greedy
 
 
+@pytest.mark.parametrize("penalty, served", [(1e-39, False), (9e-31, False), (1e-30, True),
+                                             (1.3, True)])
+def test_a_repetition_penalty_too_small_for_float32_logits_is_refused(penalty, served):
+    """A repeated token's positive logit is divided by it in float32: at 1e-39 the
+    draws came from NaN probabilities, answered 200 with `null` log-probabilities."""
+    def make():
+        return request_bodies.CheckedSamplingParams.from_input_and_generation_config(
+            SamplingParamsInput(repetition_penalty=penalty),
+            SamplingParamsGenerationConfigDefaults())
+
+    if served:
+        assert make().repetition_penalty == penalty
+        return
+    with pytest.raises(InputError, match=f"repetition_penalty={penalty} is below 1e-30"):
+        make()
+
+
 def test_the_completions_route_answers_several_prompts_together():
     """What `all_or_none` is for: the route's answer gathers them."""
     source = inspect.getsource(openai_routes.OpenAICompletionResponseGenerator.complete)
