@@ -51,7 +51,7 @@ SEQUENCES = {"one token": [1], "one prompt": [17], "four prompts": [5, 17, 64, 1
              "sixteen decodes": [1] * 16}
 """Ragged batches (tokens a sequence) for the model's last step: the final LayerNorm,
 the gather of each sequence's last row and the padded head, fused as the graph has
-them, with the rows taken either way (`ROWS`)."""
+them, with the rows taken either way (`LAST_STEPS`)."""
 LAST_STEPS = (("range", True), ("minus-one", True), ("range", False), ("minus-one", False))
 """(rows, every row's logits beside). `range`: `offsets[1:] - range(n, 0, -1)` in int64
 (`gpt2.last_rows` on the CPU, 8caa0b1); `minus-one`: `offsets[1:] - 1` in uint32 (MAX's

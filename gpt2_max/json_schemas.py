@@ -44,28 +44,30 @@ NUMBER_RULE = (
 
 _NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required", "description"})
 """Keywords whose values are data, not subschemas, and are never rewritten."""
-_NAMED_SCHEMAS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-)
+_NAMED_SCHEMAS = frozenset({
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+    "dependencies",  # draft 7's: a name's schema, or a list of names
+})
 """Keywords whose values map names to subschemas: a name there is not a keyword (a
 property called `description` holds a schema)."""
 
 
-def _children(node: Any, is_schema: bool = True) -> list[tuple[Any, bool]]:
-    """The values inside `node` (a JSON value), each with whether it is a subschema:
-    the one rule every walk of a schema here follows."""
+def _children(node: Any, is_schema: bool = True) -> list[tuple[Any, bool, int]]:
+    """The values inside `node` (a JSON value), each with whether it is a subschema and
+    how many JSON levels down it sits (2 below a map of names): the one rule every walk
+    of a schema here follows."""
     if isinstance(node, list):
-        return [(item, is_schema) for item in node]
+        return [(item, is_schema, 1) for item in node]
     if not isinstance(node, dict):
         return []
     if not is_schema:
-        return [(value, False) for value in node.values()]
+        return [(value, False, 1) for value in node.values()]
     children = []
     for key, value in node.items():
         if key in _NAMED_SCHEMAS and isinstance(value, dict):
-            children += [(sub, True) for sub in value.values()]
+            children += [(sub, True, 2) for sub in value.values()]
         else:
-            children.append((value, key not in _NOT_SCHEMAS))
+            children.append((value, key not in _NOT_SCHEMAS, 1))
     return children
 
 _VALUE_TYPES = frozenset({"string", "number", "integer", "boolean", "null"})
@@ -77,8 +79,8 @@ the engines' compilers, gives out near a thousand levels, and no schema a model 
 asked to follow needs a tenth of that."""
 MAX_REFS = 256
 """The distinct local `$ref`s a schema may hold. Whether each has a finite value is
-found by reading again the definitions that use one each time it is found to have
-one, so a definition using them all is read once for each."""
+settled in one pass (`_Formula`), but naming a cycle reads each definition found to
+have none, and a ref may point into another's body, so their reads add up."""
 MAX_NUMBERS = 128
 """The number and integer subschemas a schema may hold. The server's xgrammar compiles
 each bounded number (`NUMBER_RULE`) to an automaton of its own, and their memory, in
@@ -130,7 +132,8 @@ def check_size(schema: Any) -> None:
             raise SchemaError(f"json_schema nests deeper than {MAX_DEPTH} levels.")
         if isinstance(node, dict):
             numbers += is_schema and bool(_types(node) & {"number", "integer"})
-        stack.extend((child, depth + 1, sub) for child, sub in _children(node, is_schema))
+        stack.extend((child, depth + levels, sub)
+                     for child, sub, levels in _children(node, is_schema))
     if numbers > MAX_NUMBERS:
         raise SchemaError(
             f"json_schema holds {numbers} number or integer fields; at most {MAX_NUMBERS} "
@@ -178,15 +181,16 @@ def _bound(node: Any, multiple_of: bool) -> None:
         for keyword, exclusive, limit in (("minimum", "exclusiveMinimum", -NUMBER_LIMIT),
                                           ("maximum", "exclusiveMaximum", NUMBER_LIMIT)):
             tighter = max if limit < 0 else min
+            # The limit first: `min` and `max` keep it against a NaN bound.
             if _number(bound := node.get(exclusive)):
-                node[exclusive] = tighter(bound, limit + (1 if limit > 0 else -1))
+                node[exclusive] = tighter(limit + (1 if limit > 0 else -1), bound)
             if (keyword in node or exclusive not in node) and _number(
                 bound := node.get(keyword, limit)
             ):
-                node[keyword] = tighter(bound, limit)
+                node[keyword] = tighter(limit, bound)
         if multiple_of and "number" in types and "multipleOf" not in node:
             node["multipleOf"] = 10.0**-FRACTION_DIGITS
-    for child, is_schema in _children(node):
+    for child, is_schema, _ in _children(node):
         if is_schema:
             _bound(child, multiple_of)
 
@@ -218,7 +222,7 @@ def _resolve(schema: Any, ref: str) -> Any:
 def _local_refs(node: Any, found: set[str]) -> set[str]:
     if isinstance(node, dict) and isinstance(ref := node.get("$ref"), str) and ref.startswith("#"):
         found.add(ref)
-    for child, is_schema in _children(node):
+    for child, is_schema, _ in _children(node):
         if is_schema:
             _local_refs(child, found)
     return found
@@ -384,7 +388,7 @@ def _find_cycle(start: str, edges: dict[str, Blocked], done: set[str]) -> str | 
     while stack:
         ref, ways = stack[-1]
         for via, nxt in ways:
-            if not nxt or nxt in done:
+            if nxt in done:
                 continue
             path.append((ref, via))
             if nxt in on_path:

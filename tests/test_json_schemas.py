@@ -42,6 +42,11 @@ NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "req
                     "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}},
           "type": "object", "properties": {"top": {"$ref": "#/$defs/a"}}, "required": ["top"]},
          "#/$defs/a (via property 'b') -> #/$defs/b (via item 0) -> #/$defs/a"),
+        # An object or an array: the array's required item has no value (`false`).
+        ({"$defs": {"n": {"type": ["object", "array"], "properties": {"k": {"$ref": "#/$defs/n"}},
+                          "required": ["k"], "items": False, "minItems": 1}},
+          "$ref": "#/$defs/n"},
+         "#/$defs/n (via property 'k') -> #/$defs/n"),
     ],
 )
 def test_a_required_cycle_is_named(schema, cycle) -> None:
@@ -90,6 +95,14 @@ def test_bounds_are_added_tightened_and_data_left_alone() -> None:
                           "exclusiveMaximum": 5}, multiple_of=False) == {
         "type": "number", "exclusiveMinimum": -(limit + 1), "minimum": -limit,
         "exclusiveMaximum": 5}
+    nan = float("nan")  # Python's JSON reader takes NaN
+    assert bound_numbers({"type": "integer", "maximum": nan, "exclusiveMinimum": nan},
+                         multiple_of=False) == {
+        "type": "integer", "maximum": limit, "exclusiveMinimum": -(limit + 1)}
+    # Draft 7's `dependencies` maps names to a schema or to other names, and is not one.
+    depends = {"type": "object", "dependencies": {"type": ["number"], "b": {"type": "integer"}}}
+    assert bound_numbers(depends, multiple_of=False)["dependencies"] == {
+        "type": ["number"], "b": {"type": "integer", "minimum": -limit, "maximum": limit}}
     assert bounded["properties"]["type"] == schema["properties"]["type"]
     assert bounded["$defs"]["n"]["multipleOf"] == 0.5
     assert "multipleOf" not in bound_numbers(schema, multiple_of=False)["properties"]["x"]
@@ -163,6 +176,8 @@ def numbers(count: int) -> dict:
 
 def test_a_schema_past_the_size_a_request_may_ask_for_is_refused() -> None:
     prepare(nested(MAX_DEPTH // 2 - 1), multiple_of=False)
+    with pytest.raises(SchemaError, match=f"nests deeper than {MAX_DEPTH} levels"):
+        prepare(nested(MAX_DEPTH // 2), multiple_of=False)  # JSON levels, `properties` too
     prepare(numbers(MAX_NUMBERS), multiple_of=False)
     # Numbers in data (enum, const, default) are not subschemas; data nests too.
     prepare({"enum": [{"type": "integer"}] * 1000, "const": 5}, multiple_of=False)
@@ -279,8 +294,6 @@ def test_a_cycle_is_followed_without_python_s_recursion(monkeypatch) -> None:
 
 
 def test_a_schema_of_more_refs_than_served_is_refused() -> None:
-    """Each ref found finite has the definitions using it read again: a definition using
-    2,000 refs was read 2,000 times (6 to 9 s of the API's event loop)."""
     with pytest.raises(SchemaError, match="holds 258 distinct \\$refs; at most 256"):
         prepare(chain(257, {"type": "string"}), multiple_of=False)
 

@@ -100,6 +100,23 @@ def _counting_validator() -> type:
     return validators.extend(Draft7Validator, counted)
 
 
+def _one_dialect(schema: Any) -> Any:
+    """`schema` (a fresh copy) with every `"$schema": "<uri>"` taken out, at any depth:
+    `jsonschema` switches to the dialect a subschema names wherever it meets one (MAX
+    pins Draft 7 at the root only, and a `$ref` may point anywhere), and the validator
+    it switches to would not be counted. Walked without recursion."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$schema"), str):
+                del node["$schema"]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return schema
+
+
 class WithinSteps:
     """A validator whose `iter_errors`, the one method MAX's checks call, raises
     `OutOfSteps` after `CHECK_STEPS` keyword checks of one answer."""
@@ -120,8 +137,9 @@ def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any
     def built(schema_key: str) -> Any:
         if any(keyword in schema_key for keyword in REGEX_KEYWORDS):
             return None
-        validator = build(schema_key)
-        return None if validator is None else WithinSteps(validator.schema)
+        if build(schema_key) is None:  # MAX's verdict, cached: no validator for this schema
+            return None
+        return WithinSteps(_one_dialect(json.loads(schema_key)))
 
     built.skips_patterns = True  # type: ignore[attr-defined]
     return built

@@ -69,19 +69,25 @@ def test_install_puts_the_finder_where_maxs_parsers_call_it():
     assert openai_routes.parse_json_from_text is tool_calls.json_values
 
 
-def doubling_refs(levels: int) -> dict:
+def doubling_refs(levels: int, dialect: str | None = None) -> dict:
     """`levels` definitions, each `allOf` two refs to the next: jsonschema walks the last
-    one 2**levels times for one answer."""
-    defs = {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2} for i in range(levels)}
+    one 2**levels times for one answer. Each names `dialect` as its `$schema`, if given."""
+    named = {"$schema": dialect} if dialect else {}
+    defs = {f"d{i}": {**named, "allOf": [{"$ref": f"#/$defs/d{i + 1}"}] * 2}
+            for i in range(levels)}
     defs[f"d{levels}"] = {"type": "object", "required": ["a"], "additionalProperties": False,
                           "properties": {"a": {"type": "boolean"}}}
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
-def test_the_conformance_check_stops_after_its_steps(monkeypatch):
+@pytest.mark.parametrize("dialect", [
+    None, "http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft/2020-12/schema",
+])
+def test_the_conformance_check_stops_after_its_steps(monkeypatch, dialect):
     """Thirty doubling refs in 1.5 KB held MAX's check for hours on the API's event loop:
     it stops after `CHECK_STEPS` keyword checks and counts the answer as conforming,
-    and a check within them still finds a mismatch."""
+    and a check within them still finds a mismatch. A subschema's `$schema` made
+    `jsonschema` switch to a validator that was not counted."""
     tool_calls.install()
     steps = 0
     counted = tool_calls._counted
@@ -101,13 +107,13 @@ def test_the_conformance_check_stops_after_its_steps(monkeypatch):
     try:
         for answer in ('{"a": true}', '{"a": 1}'):
             result = _tool_call_validation.check_response_format_conformance(
-                answer, doubling_refs(30))
+                answer, doubling_refs(30, dialect))
             assert result.outcome == "valid"
             (call,) = _tool_call_validation.check_tool_call_conformance(
-                [("f", answer)], {"f": doubling_refs(30)})
+                [("f", answer)], {"f": doubling_refs(30, dialect)})
             assert call.outcome == "valid"
         assert steps <= 4 * (tool_calls.CHECK_STEPS + 1)
         assert _tool_call_validation.check_response_format_conformance(
-            '{"a": 1}', doubling_refs(4)).outcome == "schema_mismatch"
+            '{"a": 1}', doubling_refs(4, dialect)).outcome == "schema_mismatch"
     finally:
         tool_calls._counting_validator.cache_clear()
