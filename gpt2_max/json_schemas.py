@@ -285,7 +285,7 @@ class _Formula:
 
     def _term(self, node: Any, via: str = "") -> _Term:
         if not isinstance(node, dict):
-            return self._new([self._new([], any_of=True)] if node is False else [])
+            return self._new([], any_of=node is False)  # `false`: a choice of none
         if (known := self._built.get(id(node))) is not None:
             return known
         parts: list[_Term] = []

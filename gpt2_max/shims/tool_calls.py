@@ -129,6 +129,13 @@ class WithinSteps:
         yield from self._validator.iter_errors(instance)
 
 
+@functools.lru_cache(maxsize=1024)  # as many as MAX's cache of the validators it builds
+def _within_steps(schema_key: str) -> WithinSteps:
+    """The counted validator of a schema (canonical JSON), built once like MAX's: it holds
+    no state of one check (the steps left are the thread's)."""
+    return WithinSteps(_one_dialect(json.loads(schema_key)))
+
+
 def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any]:
     """MAX's cached `_build_validator`, which gives no validator (the answer counts as
     conforming) for a schema holding a regular expression (`REGEX_KEYWORDS`), and
@@ -139,7 +146,7 @@ def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any
             return None
         if build(schema_key) is None:  # MAX's verdict, cached: no validator for this schema
             return None
-        return WithinSteps(_one_dialect(json.loads(schema_key)))
+        return _within_steps(schema_key)
 
     built.skips_patterns = True  # type: ignore[attr-defined]
     return built

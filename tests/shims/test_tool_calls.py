@@ -104,6 +104,7 @@ def test_the_conformance_check_stops_after_its_steps(monkeypatch, dialect):
 
     monkeypatch.setattr(tool_calls, "_counted", counting)
     tool_calls._counting_validator.cache_clear()
+    tool_calls._within_steps.cache_clear()
     try:
         for answer in ('{"a": true}', '{"a": 1}'):
             result = _tool_call_validation.check_response_format_conformance(
@@ -117,3 +118,4 @@ def test_the_conformance_check_stops_after_its_steps(monkeypatch, dialect):
             '{"a": 1}', doubling_refs(4, dialect)).outcome == "schema_mismatch"
     finally:
         tool_calls._counting_validator.cache_clear()
+        tool_calls._within_steps.cache_clear()
