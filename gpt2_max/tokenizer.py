@@ -52,7 +52,7 @@ import numpy as np
 from jinja2 import TemplateError, TemplateSyntaxError
 from max.pipelines.context import EOSTracker, TextContext
 from max.pipelines.context.exceptions import InputError
-from max.pipelines.context.sampling_params import SamplingParams, SamplingParamsInput
+from max.pipelines.context.sampling_params import SamplingParamsInput
 from max.pipelines.lib import PipelineConfig, TextTokenizer
 from max.pipelines.modeling.types import (
     TextGenerationRequest,
@@ -63,7 +63,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
-from .shims.request_bodies import ClientStopTokenIds, check_penalty, refusal
+from .shims.request_bodies import CheckedSamplingParams, ClientStopTokenIds, refusal
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 from .weights.schema import CheckpointError
 
@@ -116,8 +116,9 @@ class GPT2TextTokenizer(TextTokenizer):
         """
         defaults = pipeline_config.model.sampling_params_defaults
         try:
-            params = check_penalty(SamplingParams.from_input_and_generation_config(
-                SamplingParamsInput(), defaults))
+            # The routes' own check, which a request leaving them unset would meet.
+            params = CheckedSamplingParams.from_input_and_generation_config(
+                SamplingParamsInput(), defaults)
             if self.max_length and params.min_new_tokens >= self.max_length:
                 raise ValueError(f"min_new_tokens ({params.min_new_tokens}) leaves no room "
                                  f"for a prompt in the window of {self.max_length} tokens")

@@ -15,7 +15,7 @@ exponential time on the API process's event loop, which then answers nothing mor
   (`_tool_call_validation`), with `jsonschema`, which runs each `pattern` and
   `patternProperties` of the client's schema through Python's `re`: `^(a+)+$`
   against forty `a` and a `!` never ends. A schema holding either keyword is
-  left unchecked (`checked_without_patterns`), as MAX leaves a schema it cannot
+  left unchecked (`bounded_checks`), as MAX leaves a schema it cannot
   compile: that check never answers the client. `jsonschema` also walks every
   branch of `allOf`/`anyOf`/`oneOf` again for each way a `$ref` chain reaches it:
   thirty definitions each holding two refs to the next (1.5 KB) take hours. The
@@ -136,7 +136,7 @@ def _within_steps(schema_key: str) -> WithinSteps:
     return WithinSteps(_one_dialect(json.loads(schema_key)))
 
 
-def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any]:
+def bounded_checks(build: Callable[[str], Any]) -> Callable[[str], Any]:
     """MAX's cached `_build_validator`, which gives no validator (the answer counts as
     conforming) for a schema holding a regular expression (`REGEX_KEYWORDS`), and
     otherwise one that stops after `CHECK_STEPS` (`WithinSteps`)."""
@@ -148,13 +148,13 @@ def checked_without_patterns(build: Callable[[str], Any]) -> Callable[[str], Any
             return None
         return _within_steps(schema_key)
 
-    built.skips_patterns = True  # type: ignore[attr-defined]
+    built.bounded = True  # type: ignore[attr-defined]
     return built
 
 
 def install() -> None:
     """Puts `json_values` where the llama tool parser and the chat route call
-    `parse_json_from_text`, and `checked_without_patterns` around the conformance
+    `parse_json_from_text`, and `bounded_checks` around the conformance
     checks' validator builder (once). MAX's modules are imported here, not with this one: the
     validator's is private."""
     from max.serve import _tool_call_validation
@@ -164,5 +164,5 @@ def install() -> None:
     llama_tool_parser.parse_json_from_text = json_values
     openai_routes.parse_json_from_text = json_values
     build = _tool_call_validation._build_validator
-    if not getattr(build, "skips_patterns", False):
-        _tool_call_validation._build_validator = checked_without_patterns(build)
+    if not getattr(build, "bounded", False):
+        _tool_call_validation._build_validator = bounded_checks(build)

@@ -62,7 +62,7 @@ patched = {
     "sampler": getattr(TextGenerationPipeline.__init__, "shares_sampler", False),
     "queue": getattr(TokenGenerationScheduler.__init__, "watches_requests", False),
     "min_p": getattr(sampling.topk_fused_sampling, "keeps_min_p", False),
-    "tool calls": getattr(_tool_call_validation._build_validator, "skips_patterns", False)
+    "tool calls": getattr(_tool_call_validation._build_validator, "bounded", False)
     and llama_tool_parser.parse_json_from_text is tool_calls.json_values,
 }
 print("patched", sorted(name for name, on in patched.items() if on))

@@ -64,7 +64,7 @@ def test_install_puts_the_finder_where_maxs_parsers_call_it():
     tool_calls.install()
     built = _tool_call_validation._build_validator
     tool_calls.install()
-    assert _tool_call_validation._build_validator is built and built.skips_patterns
+    assert _tool_call_validation._build_validator is built and built.bounded
     assert llama_tool_parser.parse_json_from_text is tool_calls.json_values
     assert openai_routes.parse_json_from_text is tool_calls.json_values
 
