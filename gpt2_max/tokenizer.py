@@ -14,7 +14,10 @@ which MAX answers with one), and so is each check MAX's context makes of a reque
 A request's `stop_token_ids` stop it under `ignore_eos` too (`create_eos_tracker`),
 and a `top_k` past the vocabulary, which would stop the worker, is cut to it. A
 request echoing its prompt's log-probabilities reads nothing from the prefix cache,
-whose hits would leave the cached tokens without theirs. A checkpoint whose
+whose hits would leave the cached tokens without theirs. A `min_tokens` holds back only
+tokens that would end the request (none under `ignore_eos` without stop ids, where MAX's
+empty mask stopped the worker), and `generation_config.json`'s `min_new_tokens`, which
+the client never sent, gives way to the request's room and to a `response_format`. A checkpoint whose
 `generation_config.json` sets sampling defaults MAX would refuse in every request
 that leaves them unset is refused at load, as are end-of-text ids outside the
 vocabulary.
@@ -63,7 +66,12 @@ from transformers import PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
-from .shims.request_bodies import CheckedSamplingParams, ClientStopTokenIds, refusal
+from .shims.request_bodies import (
+    CheckedSamplingParams,
+    ClientMinTokens,
+    ClientStopTokenIds,
+    refusal,
+)
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 from .weights.schema import CheckpointError
 
@@ -145,6 +153,7 @@ class GPT2TextTokenizer(TextTokenizer):
             )
         try:
             request = self._with_prepared_schema(self._top_k_cut(self._scored_alone(request)))
+            request, checkpoint_min = self._checkpoint_min_apart(request)
             context = await super().new_context(request)
         except ValueError as error:
             # MAX's checks of this request (`min_tokens` past the window), which the
@@ -152,7 +161,46 @@ class GPT2TextTokenizer(TextTokenizer):
             raise refusal(error) from None
         self._check_ids("prompt", context.tokens.prompt)
         self._check_ids("stop", self._own_stop_ids(request))
+        self._fit_min_tokens(context, checkpoint_min, request.response_format is not None)
         return context
+
+    @staticmethod
+    def _checkpoint_min_apart(request: TextGenerationRequest) -> tuple[TextGenerationRequest, int]:
+        """`request` without a `min_new_tokens` MAX took from `generation_config.json`
+        (the client sent none: not `ClientMinTokens`), and that count, which
+        `_fit_min_tokens` gives back where the request can meet it. MAX's context
+        refuses a count past the request's room, which would answer a client 400 for a
+        `min_tokens` it never sent. The client's count goes on as a plain `int`, which
+        MAX's queue to the model worker can serialize (its encoder recursed on the
+        subclass)."""
+        count = request.sampling_params.min_new_tokens
+        client = isinstance(count, ClientMinTokens)
+        return dataclasses.replace(request, sampling_params=dataclasses.replace(
+            request.sampling_params, min_new_tokens=int(count) if client else 0)), \
+            0 if client else count
+
+    @staticmethod
+    def _fit_min_tokens(context: TextContext, checkpoint_min: int, constrained: bool) -> None:
+        """Sets the context's `min_tokens` to what its tokens can be held to.
+
+        - The checkpoint's count (`_checkpoint_min_apart`), cut to the request's room
+          (`max_tokens`, the window), and none beside a `response_format`: once the
+          schema's value is complete the grammar allows only its end, which the count
+          would hold back, and MAX then drops the grammar (the answer was `false!`
+          and free text). A client's count there is refused at the route.
+        - None where no token ends the request (`ignore_eos` and no `stop_token_ids`):
+          MAX's mask of its end tokens then comes out of the wrong shape and the model
+          worker stopped (500 to every request in flight). Stop strings still wait for
+          the request's own count (`shims.stop_strings` reads the request).
+        """
+        count = context.min_tokens
+        if checkpoint_min and not constrained:
+            count = min(checkpoint_min, context.max_length - context.tokens.prompt_length)
+        if not context.eos_tracker.eos_token_ids:
+            count = 0
+        if count != context.min_tokens:
+            context.sampling_params = dataclasses.replace(
+                context.sampling_params, min_new_tokens=count)
 
     def _own_stop_ids(self, request: TextGenerationRequest) -> list[int]:
         """The request's `stop_token_ids`: all of them where the client sent them

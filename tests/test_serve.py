@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+import torch
 from openai import OpenAI
 from transformers import AutoTokenizer
 
@@ -25,6 +26,7 @@ from gpt2_max.testing.reference import (
     hf_greedy,
     hf_prompt_logprobs,
     random_prompt,
+    sampleable,
     stopped_text,
 )
 from gpt2_max.testing.server import MODEL_NAME, max_serve
@@ -566,11 +568,50 @@ def test_embeddings_get_404_from_a_text_generation_server(server, hf_models, bod
 
 @pytest.fixture(scope="module")
 def echo_server(checkpoints, tmp_path_factory):
-    """Returns logits for every prompt token, with MAX's prefill chunks and prefix cache."""
+    """Returns logits for every prompt token, with MAX's prefill chunks and prefix cache,
+    and applies penalties."""
     log = tmp_path_factory.mktemp("serve-echo") / "server.log"
     with max_serve(checkpoints("default", "hub"), "--max-batch-size", "2", "--enable-echo",
-                   log=log) as running:
+                   "--enable-penalties", log=log) as running:
         yield running.url
+
+
+def hf_greedy_penalized(model, prompt: list[int], new_tokens: int, repetition: float,
+                        presence: float) -> list[int]:
+    """transformers' greedy decode with MAX's penalties: repetition on every token seen
+    (prompt and answer) divides a positive logit and multiplies a negative one; presence
+    is taken off each token the answer holds."""
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1, :sampleable(model)]
+            logits = logits.numpy().copy()
+            seen = np.unique(prompt + tokens)
+            logits[seen] = np.where(logits[seen] > 0, logits[seen] / repetition,
+                                    logits[seen] * repetition)
+            logits[np.unique(tokens).astype(int)] -= presence
+            tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def test_penalties_are_applied_beside_echo(echo_server, hf_models):
+    """MAX 26.7's model worker could not start with `--enable-echo --enable-penalties`
+    (`shims.echo_penalties`); now a request's penalties choose its tokens, and its
+    prompt's log-probabilities are the model's."""
+    model = hf_models("default")
+    prompt = random_prompt(40, seed=23)
+    want = hf_greedy_penalized(model, prompt, 16, repetition=1.8, presence=1.5)
+    assert want != hf_greedy(model, prompt, 16)[0]  # the penalties decide
+    response = client(echo_server).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=16, echo=True, logprobs=1,
+        presence_penalty=1.5, temperature=0.0,
+        extra_body={**GREEDY["extra_body"], "repetition_penalty": 1.8},
+    )
+    assert token_ids(response.choices[0]) == want
+    reported = response.choices[0].logprobs.token_logprobs
+    assert len(reported) == len(prompt) - 1 + len(want)
+    np.testing.assert_allclose(reported[: len(prompt) - 1], hf_prompt_logprobs(model, prompt),
+                               atol=LOGPROBS_ATOL, rtol=0)
 
 
 def test_echo_counts_every_prompt_token_when_the_prefix_cache_holds_them(

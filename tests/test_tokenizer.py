@@ -4,6 +4,7 @@ request's stop tokens."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -19,7 +20,8 @@ from max.pipelines.modeling.types import (
 )
 from transformers import AutoTokenizer
 
-from gpt2_max.shims.request_bodies import ClientStopTokenIds
+from gpt2_max.shims.internals import openai_response_format
+from gpt2_max.shims.request_bodies import ClientMinTokens, ClientStopTokenIds
 from gpt2_max.tokenizer import PLAIN_CHAT_TEMPLATE, TOKENIZER_DIR, GPT2TextTokenizer
 from gpt2_max.weights.schema import CheckpointError
 
@@ -119,6 +121,36 @@ def test_own_stop_tokens_stop_a_request_that_ignores_eos(checkpoints, max_models
     assert stops(ignore_eos=True, stop_token_ids=ClientStopTokenIds([eos])) == {eos}
     with pytest.raises(InputError, match=f"stop token id {2**64} at position 1 is outside"):
         stops(stop_token_ids=[13, 2**64])
+
+
+@pytest.mark.tier("model")
+def test_min_tokens_hold_back_only_what_a_request_can_be_held_to(checkpoints, max_models):
+    """A client's `min_tokens` is kept, and one past the request's room refused; the
+    checkpoint's `min_new_tokens` (put there when the client sent none) is cut to the
+    room and dropped beside a `response_format`; neither masks anything where no token
+    ends the request (`ignore_eos`, no stop ids), where MAX's mask stopped the worker."""
+    folder = checkpoints("default", "hub")
+    tokenizer = GPT2TextTokenizer(str(folder), max_models(folder).pipeline_config, max_length=64)
+    schema = openai_response_format({"type": "json_schema",
+                                     "json_schema": {"name": "b", "schema": {"type": "boolean"}}})
+
+    def held(response_format=None, **params) -> int:
+        asked = dataclasses.replace(request(**params), response_format=response_format)
+        count = asyncio.run(tokenizer.new_context(asked)).min_tokens
+        assert type(count) is int  # MAX's queue to the model worker recursed on the mark
+        return count
+
+    assert held(min_new_tokens=ClientMinTokens(5), max_new_tokens=9) == 5
+    with pytest.raises(InputError, match=r"min_tokens \(5\) \+ prompt_len \(2\)"):
+        held(min_new_tokens=ClientMinTokens(5), max_new_tokens=4)
+    assert held(min_new_tokens=5, max_new_tokens=9) == 5
+    assert held(min_new_tokens=5, max_new_tokens=4) == 4
+    assert held(min_new_tokens=500) == 62  # the window's 64, less the prompt
+    assert held(schema, min_new_tokens=5, max_new_tokens=9) == 0
+    for count in (5, ClientMinTokens(5)):
+        assert held(min_new_tokens=count, max_new_tokens=9, ignore_eos=True) == 0
+        assert held(min_new_tokens=count, max_new_tokens=9, ignore_eos=True,
+                    stop_token_ids=ClientStopTokenIds([13])) == 5
 
 
 @pytest.mark.tier("unit")

@@ -31,6 +31,8 @@ and why, so nothing else in the package imports a private MAX name:
   refused 400, the second scored from the top label's log-probability down.
 - `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
   takes it and draws as if it were 0, applied in MAX's sampler graph before it.
+- `echo_penalties`: penalties on a server that also returns every prompt
+  position's logits (`--enable-echo`), whose sampler graph MAX 26.7 cannot build.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
   header and refuses the checkpoint without naming the file; a folder saved in
   float16 or bfloat16, in which MAX finds no weights for a float32 graph, given
@@ -82,6 +84,7 @@ from pathlib import Path
 from ..names import PACKAGE
 from . import (
     decisions,
+    echo_penalties,
     min_p,
     release,
     request_bodies,
@@ -104,6 +107,7 @@ CARRIED = (
     "400 for chat_template_kwargs the decisions routes' renderer cannot take, and their "
     "probabilities at any temperature",
     "min_p on the CPU",
+    "penalties beside --enable-echo",
     "named damaged weight files, checkpoint folders saved in float16 or bfloat16",
     "decode bursts",
     "the CPU's sampler of plain rows",
@@ -143,6 +147,7 @@ def install(
     request_bodies.install()
     decisions.install()
     min_p.install()
+    echo_penalties.install()
     weight_files.install(tokenizer_type, check_weight_files, half_precision)
     stop_strings.install(tokenizer_type)
     structured_output.install(tokenizer_type)

@@ -408,12 +408,20 @@ class ClientStopTokenIds(list):
     (`GPT2TextTokenizer._own_stop_ids`)."""
 
 
+class ClientMinTokens(int):
+    """A request's `min_tokens` as its client sent it, told apart from a
+    `min_new_tokens` MAX puts there from `generation_config.json` when it sent none,
+    which gives way where the request cannot meet it
+    (`GPT2TextTokenizer._fitted_min_tokens`)."""
+
+
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
     (`from_input_and_generation_config`) raises its range checks as `InputError`,
     turns `SeedZero` back into 0, marks the client's `stop_token_ids`
-    (`ClientStopTokenIds`), refuses a `repetition_penalty` below `PENALTY_FLOOR` and
-    samples greedily below `GREEDY_BELOW`."""
+    (`ClientStopTokenIds`) and `min_tokens` (`ClientMinTokens`), refuses a
+    `repetition_penalty` below `PENALTY_FLOOR` and samples greedily below
+    `GREEDY_BELOW`."""
 
     @staticmethod
     @raises_input_error
@@ -423,6 +431,9 @@ class CheckedSamplingParams(SamplingParams):
         if params.stop_token_ids is not None:
             params = dataclasses.replace(
                 params, stop_token_ids=ClientStopTokenIds(params.stop_token_ids))
+        if params.min_new_tokens is not None:
+            params = dataclasses.replace(
+                params, min_new_tokens=ClientMinTokens(params.min_new_tokens))
         return greedy_below(check_penalty(SamplingParams.from_input_and_generation_config(
             params, *args, **kwargs)))
 

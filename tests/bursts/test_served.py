@@ -45,6 +45,8 @@ def cases(greedy: list[int], text: str) -> dict[str, tuple[list[int], dict[str, 
         "min_tokens past a stop token": (PROMPT, dict(
             max_tokens=37, **GREEDY,
             extra_body={"stop_token_ids": [greedy[2]], "min_tokens": 11})),
+        "min_tokens under ignore_eos": (PROMPT, dict(
+            max_tokens=20, **GREEDY, extra_body={"ignore_eos": True, "min_tokens": 11})),
         "stop string in a burst": (PROMPT, dict(
             max_tokens=37, **GREEDY, stop=[text[len(text) // 3:][:3]])),
         "min_tokens past a stop string": (PROMPT, dict(
@@ -141,6 +143,10 @@ def same_answers(reference: dict, got: dict, skip: Collection[str] = ()) -> None
     assert len(reference["min_tokens past a stop token", False]["tokens"]) >= 11
     assert len(reference["min_tokens past a stop string", False]["tokens"]) >= 11
     assert reference["stop string in a burst", False]["finish"] == "stop"
+    # No token ends such a request, so min_tokens has none to hold back: MAX's mask of
+    # none stopped the model worker.
+    assert reference["min_tokens under ignore_eos", False]["tokens"] == \
+        reference["greedy", False]["tokens"][:20]
     assert reference["the window's end", False]["finish"] == "length"
     assert len(reference["the window's end", False]["tokens"]) == 13
 

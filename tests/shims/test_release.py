@@ -62,6 +62,7 @@ patched = {
     "sampler": getattr(TextGenerationPipeline.__init__, "shares_sampler", False),
     "queue": getattr(TokenGenerationScheduler.__init__, "watches_requests", False),
     "min_p": getattr(sampling.topk_fused_sampling, "keeps_min_p", False),
+    "echo penalties": getattr(sampling.apply_penalties_to_logits, "on_the_rows", False),
     "tool calls": getattr(_tool_call_validation._build_validator, "bounded", False)
     and llama_tool_parser.parse_json_from_text is tool_calls.json_values,
 }
@@ -81,8 +82,8 @@ def probe(**env: str) -> subprocess.CompletedProcess[str]:
 def test_on_the_checked_release_every_shim_is_installed():
     out = probe()
     assert "installed again True" in out.stdout
-    assert "patched ['min_p', 'queue', 'request bodies', 'sampler', 'stop strings', " \
-        "'structured output', 'tool calls', 'weight files']" in out.stdout
+    assert "patched ['echo penalties', 'min_p', 'queue', 'request bodies', 'sampler', " \
+        "'stop strings', 'structured output', 'tool calls', 'weight files']" in out.stdout
     assert "fast-forward True" in out.stdout
     assert WARNING not in out.stderr
 
