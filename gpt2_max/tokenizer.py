@@ -17,10 +17,10 @@ request echoing its prompt's log-probabilities reads nothing from the prefix cac
 whose hits would leave the cached tokens without theirs. A `min_tokens` holds back only
 tokens that would end the request (none under `ignore_eos` without stop ids, where MAX's
 empty mask stopped the worker), and `generation_config.json`'s `min_new_tokens`, which
-the client never sent, gives way to the request's room and to a `response_format`. A checkpoint whose
-`generation_config.json` sets sampling defaults MAX would refuse in every request
-that leaves them unset is refused at load, as are end-of-text ids outside the
-vocabulary.
+the client never sent, gives way to the request's room and to a `response_format`. A
+checkpoint whose `generation_config.json` sets sampling defaults MAX would refuse in
+every request that leaves them unset is refused at load, as are end-of-text ids outside
+the vocabulary.
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through

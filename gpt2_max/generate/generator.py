@@ -35,6 +35,10 @@ from .requests import Options, Requests, is_integer
 from .results import Completion
 from .stepping import StepRecorder, prefill, run
 
+MAX_BRANCHES = 128
+"""The most branches (`n`, `best_of`) one prompt gets, OpenAI's bound on `n`: each is a
+row built before any runs, and a count of 2**40 ran out of memory building them."""
+
 __all__ = ["Completion", "Generator", "Options"]
 
 
@@ -159,9 +163,10 @@ class Generator:
         for name, value in (("n", n), ("best_of", best_of)):
             if not (is_integer(value) or value is None and name == "best_of"):
                 raise TypeError(f"{name} takes an integer, not {value!r}.")
-        count = best_of or n
-        if not 1 <= n <= count:
-            raise ValueError(f"need 1 <= n <= best_of, got n={n}, best_of={best_of}")
+        count = int(best_of or n)
+        if not 1 <= n <= count <= MAX_BRANCHES:
+            raise ValueError(f"need 1 <= n <= best_of <= {MAX_BRANCHES}, got n={n}, "
+                             f"best_of={best_of}")
         base = Options.parse(options)
         if best_of:
             base = dataclasses.replace(base, logprobs=max(base.logprobs, 1))

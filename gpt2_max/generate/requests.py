@@ -48,6 +48,19 @@ def is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def plain(value: Any) -> Any:
+    """`value` with numpy's numbers (alone or in a tuple) made Python's, as MAX's message
+    encoder, which the rows pass through (`as_served`), takes them: it handed numpy's
+    back to itself until Python's recursion limit."""
+    if isinstance(value, tuple):
+        return tuple(plain(item) for item in value)
+    if is_integer(value):
+        return int(value)
+    if is_number(value):
+        return float(value)
+    return value
+
+
 def is_items(value: Any) -> bool:
     """A sequence or array of items, not text or bytes, whose items are not read as
     characters or bytes."""
@@ -154,7 +167,7 @@ class Options:
             what, takes = TAKES[name]
             if not (value is None and (fields[name] is None or name == "seed") or takes(value)):
                 raise TypeError(f"{name} takes {what}, not {value!r}.")
-        return cls(**options)
+        return cls(**{name: plain(value) for name, value in options.items()})
 
     @property
     def stops(self) -> list[str]:
@@ -211,8 +224,10 @@ class Requests:
         """Validates everything and builds every row before any cache is claimed."""
         if not is_integer(max_new_tokens):
             raise TypeError(f"max_new_tokens takes an integer, not {max_new_tokens!r}.")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, was {max_new_tokens}.")
+        if not 1 <= max_new_tokens <= request_bodies.INTEGERS[1]:
+            raise ValueError(f"max_new_tokens must be at least 1 and a 64-bit integer, was "
+                             f"{max_new_tokens}.")
+        max_new_tokens = int(max_new_tokens)
         if not is_items(prompts):
             raise TypeError(f"prompts is {type(prompts).__name__}: give a list of prompts.")
         prompts = list(prompts)

@@ -153,6 +153,19 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
     assert [b.cumulative_logprob for b in best] == pytest.approx(ranked[:2])
 
 
+def test_numpy_numbers_are_taken_as_python_ones(generator):
+    """MAX's message encoder, which a row's context passes through, recursed on numpy's
+    numbers (a bare `RecursionError`)."""
+    prompt = random_prompt(8, seed=4)
+    python = generator.generate(prompt, 6, temperature=0.7, top_k=20, seed=3, logprobs=2,
+                                stop_token_ids=[13])
+    numpy = generator.generate(prompt, np.int64(6), temperature=np.float64(0.7),
+                               top_k=np.int64(20), seed=np.int64(3), logprobs=np.int32(2),
+                               stop_token_ids=np.array([13]))
+    assert numpy.token_ids == python.token_ids
+    assert numpy.logprobs == python.logprobs
+
+
 @pytest.mark.parametrize(
     "call, error",
     [
@@ -181,6 +194,8 @@ def test_best_of_ranks_by_cumulative_logprob(generator):
         (lambda g: g.generate("hi", logprobs=100), ValueError),
         (lambda g: g.generate("hi", logprobs=-1), ValueError),
         (lambda g: g.branches("hi", 3, best_of=2), ValueError),
+        (lambda g: g.branches("hi", 1, best_of=2**40), ValueError),
+        (lambda g: g.generate("hi", 2**64), ValueError),
         # Types MAX's schema would refuse unnamed, or read as something else.
         (lambda g: g.generate("hi", 1.5), TypeError),
         (lambda g: g.generate("hi", "3"), TypeError),
