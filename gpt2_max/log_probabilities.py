@@ -10,6 +10,14 @@ compiles (`benchmarks/bench_start.py`, phase "after"). The pipeline model owns a
 `LogProbabilities` instead (composition, no mixin) and answers MAX's
 `compute_log_probabilities` through it: the same graph at MAX's heap depth, compiled
 by the first request that asks.
+
+A prompt that chunked prefill splits (`--max-batch-input-tokens`, or a batch's other
+prompts taking the step's room) is scored chunk by chunk. MAX's context keeps no
+log-probabilities from a step that ends inside the prompt, and its graph scores that
+step's last row against the token the sampler drew there rather than the prompt's next
+one, so echo reported the last chunk's prompt tokens alone. Each chunk here scores its
+last row against the prompt's next token and is kept until the step that ends the
+prompt, which answers for the whole prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from max.pipelines.lib.log_probabilities import (
     compute_log_probabilities_ragged,
     log_probabilities_ragged_graph,
 )
+from max.pipelines.modeling.types import RequestID
 
 from .shims.internals import log_probabilities_heap_levels
 
@@ -36,6 +45,9 @@ class LogProbabilities:
     def __init__(self, device: Device) -> None:
         self._device = device
         self._graph: Model | None = None
+        self._prompt_so_far: dict[RequestID, TokenLogProbabilities] = {}
+        """Per echoing request whose prompt is being prefilled in chunks, its earlier
+        chunks' log-probabilities."""
 
     def compute(
         self,
@@ -61,15 +73,51 @@ class LogProbabilities:
             self._graph = session.load(log_probabilities_ragged_graph(
                 DeviceRef.from_device(self._device), levels=log_probabilities_heap_levels()
             ))
-        ragged: Any = inputs  # tokens and input_row_offsets, as `GPT2Inputs` has them
-        return compute_log_probabilities_ragged(
+        ragged: Any = inputs  # tokens, input_row_offsets and contexts, as `GPT2Inputs`
+        contexts: list[Any] = list(getattr(ragged, "contexts", ()) or [None] * len(batch_echo))
+        inside = [echo and context is not None and context.tokens.actively_chunked
+                  for echo, context in zip(batch_echo, contexts, strict=True)]
+        scored = next_tokens.to_numpy()
+        if any(inside):
+            scored = scored.copy()
+            for row, context in enumerate(contexts):
+                if inside[row]:  # the prompt's token after this chunk
+                    tokens = context.tokens
+                    scored[row] = tokens.all[tokens.processed_length + tokens.active_length]
+        results = compute_log_probabilities_ragged(
             self._device,
             self._graph,
             input_row_offsets=ragged.input_row_offsets.to_numpy(),
             logits=outputs.logits if all_logits else None,
             next_token_logits=outputs.next_token_logits,
             tokens=ragged.tokens.to_numpy(),
-            sampled_tokens=next_tokens.to_numpy(),
+            sampled_tokens=scored,
             batch_top_n=batch_top_n,
             batch_echo=batch_echo,
         )
+        return [
+            self._whole_prompt(context, result, inside[row]) if batch_echo[row] and context
+            else result
+            for row, (context, result) in enumerate(zip(contexts, results, strict=True))
+        ]
+
+    def _whole_prompt(
+        self, context: Any, result: TokenLogProbabilities | None, inside: bool
+    ) -> TokenLogProbabilities | None:
+        """`result`, an echoing row's, after its prompt's earlier chunks; kept instead
+        while the step ends `inside` the prompt."""
+        if context.tokens.processed_length == 0:  # a prefill from the start (again)
+            self._prompt_so_far.pop(context.request_id, None)
+        earlier = self._prompt_so_far.pop(context.request_id, None)
+        if result is not None and earlier is not None:  # each field a list, a token an item
+            result = TokenLogProbabilities(**{
+                name: getattr(earlier, name) + getattr(result, name)
+                for name in TokenLogProbabilities.__struct_fields__
+            })
+        if inside and result is not None:
+            self._prompt_so_far[context.request_id] = result
+        return result
+
+    def release(self, request_id: RequestID) -> None:
+        """Forgets a finished or cancelled request's earlier chunks."""
+        self._prompt_so_far.pop(request_id, None)

@@ -360,7 +360,6 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         (dict(prompt="Hi", best_of=2), "best_of=2 is not served"),
         (dict(prompt="Hi", logit_bias={"13": 50}), "is not served: this server applies no logit"),
         (dict(prompt="Hi", suffix="."), "suffix='.' is not served"),
-        (dict(prompt="Hi", echo=True), "echo without logprobs is not served"),
         (dict(prompt="Hi", seed=2**64), "seed holds 18446744073709551616, past the 64-bit"),
         (dict(prompt="Hi", stop_token_ids=[-(2**63) - 1]), "stop_token_ids holds"),
         (dict(prompt="Hi", top_k=2**63, temperature=1.0), "top_k holds 9223372036854775808"),
@@ -379,7 +378,7 @@ def test_max_tokens_past_the_window_stops_at_the_window(server, hf_models):
         "streamed-strings", "negative-max-tokens", "zero-max-tokens", "negative-temperature",
         "top-p-7", "negative-top-k", "huge-penalty", "penalty-not-enabled",
         "min-tokens-not-enabled", "n-2", "best-of-2",
-        "logit-bias", "suffix", "echo-text", "seed-2**64", "stop-token-past-64-bits",
+        "logit-bias", "suffix", "seed-2**64", "stop-token-past-64-bits",
         "top-k-2**63", "stop-token-2**40", "negative-stop-token", "nan-top-p",
         "lone-surrogate-model",
         "huge-logprobs", "10mb-body", "prompt-object",
@@ -609,8 +608,8 @@ def test_penalties_are_applied_beside_echo(echo_server, hf_models):
     )
     assert token_ids(response.choices[0]) == want
     reported = response.choices[0].logprobs.token_logprobs
-    assert len(reported) == len(prompt) - 1 + len(want)
-    np.testing.assert_allclose(reported[: len(prompt) - 1], hf_prompt_logprobs(model, prompt),
+    assert len(reported) == len(prompt) + len(want) and reported[0] is None
+    np.testing.assert_allclose(reported[1 : len(prompt)], hf_prompt_logprobs(model, prompt),
                                atol=LOGPROBS_ATOL, rtol=0)
 
 
@@ -631,8 +630,8 @@ def test_echo_counts_every_prompt_token_when_the_prefix_cache_holds_them(
             model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1, **GREEDY
         )
         reported = response.choices[0].logprobs.token_logprobs
-        assert len(reported) == len(prompt)
-        np.testing.assert_allclose(reported[:-1], expected, atol=LOGPROBS_ATOL, rtol=0)
+        assert len(reported) == len(prompt) + 1 and reported[0] is None
+        np.testing.assert_allclose(reported[1:-1], expected, atol=LOGPROBS_ATOL, rtol=0)
         assert response.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -643,17 +642,49 @@ def test_chunked_prefill_matches_transformers(chunking_server, hf_models):
         assert answer == hf_greedy(hf_models("default"), prompt, 6)[0]
 
 
-def test_echo_returns_the_prompt_logprobs(chunking_server, hf_models):
-    # One chunk: MAX 26.7 drops the logprobs of earlier chunks of a chunked prompt.
-    prompt = random_prompt(60, seed=8)
-    response = client(chunking_server).completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1, **GREEDY
+@pytest.mark.parametrize("length", [60, 200])
+def test_echo_answers_as_openai_with_every_prompt_token(chunking_server, checkpoints, hf_models,
+                                                        length):
+    """The prompt's text, then the completion's; a log-probability entry per token, the
+    prompt's first `null` (OpenAI's and vLLM's shape: MAX left it out, so a client
+    reading entries by position read each a token early), the prompt's others as
+    transformers scores them, also across the server's 64-token prefill chunks (MAX
+    kept the last chunk's alone). Streamed, the same in pieces."""
+    model = hf_models("default")
+    prompt = random_prompt(length, seed=8)
+    api = client(chunking_server)
+    response = api.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, **GREEDY
     )
-    reported = response.choices[0].logprobs.token_logprobs
-    expected = hf_prompt_logprobs(hf_models("default"), prompt)
-    # MAX reports prompt tokens 1..n-1 (token 0 has no context), then the new token.
-    assert len(reported) == len(prompt)
-    np.testing.assert_allclose(reported[:-1], expected, atol=LOGPROBS_ATOL, rtol=0)
+    (choice,) = response.choices
+    logprobs = choice.logprobs
+    assert len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == length + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(logprobs.token_logprobs[1:length],
+                               hf_prompt_logprobs(model, prompt), atol=LOGPROBS_ATOL, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints("default", "hub"))
+    assert choice.text == tokenizer.decode(prompt) + tokenizer.decode(token_ids(choice))
+    streamed = api.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=1, stream=True,
+        **GREEDY,
+    )
+    chunks = [chunk.choices[0] for chunk in streamed if chunk.choices]
+    assert "".join(chunk.text for chunk in chunks) == choice.text
+    assert [entry for chunk in chunks if chunk.logprobs
+            for entry in chunk.logprobs.token_logprobs] == logprobs.token_logprobs
+
+
+def test_echo_without_logprobs_puts_the_prompt_before_the_completion(server, checkpoints,
+                                                                    hf_models):
+    prompt = random_prompt(12, seed=31)
+    response = client(server).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=5, echo=True, **GREEDY
+    )
+    (choice,) = response.choices
+    assert token_ids(choice) == hf_greedy(hf_models("default"), prompt, 5)[0]
+    assert not (choice.logprobs and choice.logprobs.token_logprobs)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints("default", "hub"))
+    assert choice.text == tokenizer.decode(prompt) + tokenizer.decode(token_ids(choice))
 
 
 def test_seeded_sampling_matches_the_in_process_generator(server, generator):

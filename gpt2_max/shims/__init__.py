@@ -16,9 +16,9 @@ and why, so nothing else in the package imports a private MAX name:
 - `request_bodies`: a completions body with no prompt, or with several
   prompts and `stream`, and an integer past int64 (MAX 26.7 answers 500, or its
   model worker stops), a number that is not finite, a body setting a field MAX's
-  routes drop (`n`, `best_of`, `logit_bias`, `suffix`, `echo` without
-  `logprobs`; in a chat audio output, web search, `functions`, `top_logprobs`
-  without `logprobs`, a content part that is not text), and a chat `tool_choice`
+  routes drop (`n`, `best_of`, `logit_bias`, `suffix`; in a chat audio output,
+  web search, `functions`, `top_logprobs` without `logprobs`, a content part that
+  is not text), and a chat `tool_choice`
   requiring a call that no tool parser forces, answered 400 naming the cause; so
   are a body that is not UTF-8, a sampling value out of its range and an unknown
   model name, which MAX answers "Value error.". `/v1/embeddings`, which MAX
@@ -31,6 +31,9 @@ and why, so nothing else in the package imports a private MAX name:
   refused 400, the second scored from the top label's log-probability down.
 - `min_p`: a request's `min_p` on the CPU, whose sampling kernel in MAX 26.7
   takes it and draws as if it were 0, applied in MAX's sampler graph before it.
+- `echo_answers`: completions' `echo` as OpenAI answers it (the prompt's text,
+  and its first token's `null` log-probability, which MAX leaves out, so every
+  later entry sat a token early).
 - `echo_penalties`: penalties on a server that also returns every prompt
   position's logits (`--enable-echo`), whose sampler graph MAX 26.7 cannot build.
 - `weight_files`: a damaged local weight file named before MAX 26.7 reads its
@@ -84,6 +87,7 @@ from pathlib import Path
 from ..names import PACKAGE
 from . import (
     decisions,
+    echo_answers,
     echo_penalties,
     min_p,
     release,
@@ -108,6 +112,7 @@ CARRIED = (
     "probabilities at any temperature",
     "min_p on the CPU",
     "penalties beside --enable-echo",
+    "echo's prompt text and its first token's null log-probability",
     "named damaged weight files, checkpoint folders saved in float16 or bfloat16",
     "decode bursts",
     "the CPU's sampler of plain rows",
@@ -145,6 +150,7 @@ def install(
         _warn_unchecked(release.max_version())
         return False
     request_bodies.install()
+    echo_answers.install()
     decisions.install()
     min_p.install()
     echo_penalties.install()

@@ -19,10 +19,9 @@ the chat (`RENDERING_ARGUMENTS`), which fails that call ("Invalid JSON.") or rep
 the checkpoint's template with the client's.
 
 Other fields the schema accepts are dropped without a word (`UNSERVED`): `n` and
-`best_of` ask for several choices and get one, `logit_bias` and `suffix` change
-nothing, and `echo` without `logprobs` returns the completion without the prompt
-(MAX's echo is the prompt's log-probabilities, served with `--enable-echo`); so are
-penalties and `min_tokens` on a server started without `--enable-penalties` or
+`best_of` ask for several choices and get one, and `logit_bias` and `suffix` change
+nothing (`echo` is answered in full by `echo_answers`); so are penalties and
+`min_tokens` on a server started without `--enable-penalties` or
 `--enable-min-tokens` (`check_settings`). In a chat,
 audio output, web search, the older `functions`, `top_logprobs` without `logprobs`,
 and a content part that is not text (an `input_audio` or `file` part) are dropped the
@@ -159,7 +158,7 @@ def check(body: Any) -> None:
     (no prompt, several streamed, an integer past `INTEGERS`) or "Invalid JSON."
     (`RENDERING_ARGUMENTS` in `chat_template_kwargs`), pass on to the sampler
     (a number that is not finite), or answer without a field it sets (`UNSERVED`,
-    echoed text, `top_logprobs` without `logprobs`, `stream_options` without a stream,
+    `top_logprobs` without `logprobs`, `stream_options` without a stream,
     a chat content part that is not text)."""
     for name, value in vars(body).items():
         for number in integers(value):
@@ -187,12 +186,6 @@ def check(body: Any) -> None:
                                  "is not served: this server reads text parts only.")
     check_template_kwargs(getattr(body, "chat_template_kwargs", None))
     check_tool_call_arguments(getattr(body, "messages", None))
-    if getattr(body, "echo", False) and not getattr(body, "logprobs", None):
-        raise InputError(
-            "echo without logprobs is not served: this server echoes the prompt's "
-            "log-probabilities (with logprobs, on a server started with --enable-echo), "
-            "not its text."
-        )
     prompt = getattr(body, "prompt", None)
     if isinstance(prompt, list):
         if not prompt:

@@ -153,13 +153,13 @@ def test_echo_returns_the_prompt_logprobs(api, gpu_reference):
     prompt = random_prompt(60, seed=13)
     choice = complete(api, prompt, 1, echo=True, logprobs=1)
     reported = choice.logprobs.token_logprobs
-    # MAX reports prompt tokens 1..n-1 (token 0 has no context), then the new token.
-    assert len(reported) == len(prompt)
+    # OpenAI's shape: the first prompt token's entry is null (no token precedes it).
+    assert len(reported) == len(prompt) + 1 and reported[0] is None
     first, rest = prompt[:1], prompt[1:]
     fp32 = reference_rows(gpu_reference, first, rest)
     expected = fp32[np.arange(len(rest)), rest]
     tolerance = bfloat16_tolerance(gpu_reference, first, rest)
-    np.testing.assert_allclose(reported[:-1], expected, atol=tolerance, rtol=0)
+    np.testing.assert_allclose(reported[1:-1], expected, atol=tolerance, rtol=0)
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache(api):

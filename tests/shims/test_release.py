@@ -63,6 +63,8 @@ patched = {
     "queue": getattr(TokenGenerationScheduler.__init__, "watches_requests", False),
     "min_p": getattr(sampling.topk_fused_sampling, "keeps_min_p", False),
     "echo penalties": getattr(sampling.apply_penalties_to_logits, "on_the_rows", False),
+    "echo answers": getattr(openai_routes.OpenAICompletionResponseGenerator.complete, "echoes",
+                            False),
     "tool calls": getattr(_tool_call_validation._build_validator, "bounded", False)
     and llama_tool_parser.parse_json_from_text is tool_calls.json_values,
 }
@@ -82,8 +84,9 @@ def probe(**env: str) -> subprocess.CompletedProcess[str]:
 def test_on_the_checked_release_every_shim_is_installed():
     out = probe()
     assert "installed again True" in out.stdout
-    assert "patched ['echo penalties', 'min_p', 'queue', 'request bodies', 'sampler', " \
-        "'stop strings', 'structured output', 'tool calls', 'weight files']" in out.stdout
+    assert "patched ['echo answers', 'echo penalties', 'min_p', 'queue', 'request bodies', " \
+        "'sampler', 'stop strings', 'structured output', 'tool calls', 'weight files']" \
+        in out.stdout
     assert "fast-forward True" in out.stdout
     assert WARNING not in out.stderr
 
