@@ -82,8 +82,7 @@ class LogProbabilities:
             scored = scored.copy()
             for row, context in enumerate(contexts):
                 if inside[row]:  # the prompt's token after this chunk
-                    tokens = context.tokens
-                    scored[row] = tokens.all[tokens.processed_length + tokens.active_length]
+                    scored[row] = context.tokens.all[context.tokens.current_position]
         results = compute_log_probabilities_ragged(
             self._device,
             self._graph,

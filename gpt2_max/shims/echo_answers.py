@@ -86,7 +86,7 @@ def echoes_stream(stream: Callable[..., Any]) -> Callable[..., Any]:
 async def _echo_first(chunks: AsyncIterator[Any], text: str) -> AsyncIterator[Any]:
     pending = True
     async for chunk in chunks:
-        if pending and isinstance(chunk, str):
+        if pending and isinstance(chunk, str) and chunk.startswith("{"):  # not "[DONE]"
             payload = json.loads(chunk)
             if payload.get("choices"):
                 echoed(payload["choices"][0], text)

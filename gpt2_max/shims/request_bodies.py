@@ -405,7 +405,7 @@ class ClientMinTokens(int):
     """A request's `min_tokens` as its client sent it, told apart from a
     `min_new_tokens` MAX puts there from `generation_config.json` when it sent none,
     which gives way where the request cannot meet it
-    (`GPT2TextTokenizer._fitted_min_tokens`)."""
+    (`GPT2TextTokenizer._fit_min_tokens`)."""
 
 
 class CheckedSamplingParams(SamplingParams):

@@ -97,6 +97,7 @@ def test_a_stream_echoes_in_its_first_chunk_with_a_choice() -> None:
 def test_a_stream_that_does_not_echo_or_failed_passes_as_it_is() -> None:
     chunk = json.dumps({"choices": [{"text": "a"}]})
     assert asyncio.run(collect(stream_of(chunk), echo=False)) == [chunk]
+    assert asyncio.run(collect(stream_of("[DONE]"))) == ["[DONE]"]  # cancelled before a token
 
     async def failed(self, request):
         return "an error response"
