@@ -163,7 +163,7 @@ class Generator:
         for name, value in (("n", n), ("best_of", best_of)):
             if not (is_integer(value) or value is None and name == "best_of"):
                 raise TypeError(f"{name} takes an integer, not {value!r}.")
-        count = int(best_of or n)
+        count = int(n if best_of is None else best_of)
         if not 1 <= n <= count <= MAX_BRANCHES:
             raise ValueError(f"need 1 <= n <= best_of <= {MAX_BRANCHES}, got n={n}, "
                              f"best_of={best_of}")

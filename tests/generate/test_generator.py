@@ -195,6 +195,7 @@ def test_numpy_numbers_are_taken_as_python_ones(generator):
         (lambda g: g.generate("hi", logprobs=-1), ValueError),
         (lambda g: g.branches("hi", 3, best_of=2), ValueError),
         (lambda g: g.branches("hi", 1, best_of=2**40), ValueError),
+        (lambda g: g.branches("hi", 1, best_of=0), ValueError),
         (lambda g: g.generate("hi", 2**64), ValueError),
         # Types MAX's schema would refuse unnamed, or read as something else.
         (lambda g: g.generate("hi", 1.5), TypeError),
