@@ -105,9 +105,9 @@ class LogProbabilities:
     ) -> TokenLogProbabilities | None:
         """`result`, an echoing row's, after its prompt's earlier chunks; kept instead
         while the step ends `inside` the prompt."""
-        if context.tokens.processed_length == 0:  # a prefill from the start (again)
-            self._prompt_so_far.pop(context.request_id, None)
         earlier = self._prompt_so_far.pop(context.request_id, None)
+        if context.tokens.processed_length == 0:  # a prefill from the start (again)
+            earlier = None
         if result is not None and earlier is not None:  # each field a list, a token an item
             result = TokenLogProbabilities(**{
                 name: getattr(earlier, name) + getattr(result, name)

@@ -174,10 +174,14 @@ class GPT2TextTokenizer(TextTokenizer):
         MAX's queue to the model worker can serialize (its encoder recursed on the
         subclass)."""
         count = request.sampling_params.min_new_tokens
-        client = isinstance(count, ClientMinTokens)
-        return dataclasses.replace(request, sampling_params=dataclasses.replace(
-            request.sampling_params, min_new_tokens=int(count) if client else 0)), \
-            0 if client else count
+        if isinstance(count, ClientMinTokens):  # 0 too: the mark must not reach the queue
+            kept, checkpoint = int(count), 0
+        elif count:
+            kept, checkpoint = 0, count
+        else:
+            return request, 0
+        params = dataclasses.replace(request.sampling_params, min_new_tokens=kept)
+        return dataclasses.replace(request, sampling_params=params), checkpoint
 
     @staticmethod
     def _fit_min_tokens(context: TextContext, checkpoint_min: int, constrained: bool) -> None:

@@ -141,6 +141,7 @@ def test_min_tokens_hold_back_only_what_a_request_can_be_held_to(checkpoints, ma
         return count
 
     assert held(min_new_tokens=ClientMinTokens(5), max_new_tokens=9) == 5
+    assert held(min_new_tokens=ClientMinTokens(0)) == 0
     with pytest.raises(InputError, match=r"min_tokens \(5\) \+ prompt_len \(2\)"):
         held(min_new_tokens=ClientMinTokens(5), max_new_tokens=4)
     assert held(min_new_tokens=5, max_new_tokens=9) == 5
