@@ -18,10 +18,17 @@ step's last row against the token the sampler drew there rather than the prompt'
 one, so echo reported the last chunk's prompt tokens alone. Each chunk here scores its
 last row against the prompt's next token and is kept until the step that ends the
 prompt, which answers for the whole prompt.
+
+A request preempted while it decodes (the KV cache full) is prefilled again with its
+tokens so far as its prompt (`TextContext.reset`), and MAX's echo answered that
+prompt's entries a second time in the middle of the answer. Its prompt is echoed once:
+the context that was answered is remembered (weakly: MAX drops it when the request
+ends) and its later prefills are scored as a request without echo.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from max.driver import Buffer, Device
@@ -48,6 +55,9 @@ class LogProbabilities:
         self._prompt_so_far: dict[RequestID, TokenLogProbabilities] = {}
         """Per echoing request whose prompt is being prefilled in chunks, its earlier
         chunks' log-probabilities."""
+        self._echoed: dict[RequestID, weakref.ref[Any]] = {}
+        """Per echoing request whose prompt has been answered, its context, while MAX
+        holds it. Not forgotten at `release`, which MAX also calls when it preempts."""
 
     def compute(
         self,
@@ -75,6 +85,8 @@ class LogProbabilities:
             ))
         ragged: Any = inputs  # tokens, input_row_offsets and contexts, as `GPT2Inputs`
         contexts: list[Any] = list(getattr(ragged, "contexts", ()) or [None] * len(batch_echo))
+        batch_echo = [echo and not self._answered(context)
+                      for echo, context in zip(batch_echo, contexts, strict=True)]
         inside = [echo and context is not None and context.tokens.actively_chunked
                   for echo, context in zip(batch_echo, contexts, strict=True)]
         scored = next_tokens.to_numpy()
@@ -106,16 +118,29 @@ class LogProbabilities:
         """`result`, an echoing row's, after its prompt's earlier chunks; kept instead
         while the step ends `inside` the prompt."""
         earlier = self._prompt_so_far.pop(context.request_id, None)
-        if context.tokens.processed_length == 0:  # a prefill from the start (again)
-            earlier = None
         if result is not None and earlier is not None:  # each field a list, a token an item
+            # Earlier chunks scored the prompt's tokens 1 to the last chunk's end; this
+            # step scores from `processed_length` + 1 on, which is less where the prompt
+            # is prefilled again (from the start, or after its own cached pages).
+            kept = context.tokens.processed_length
             result = TokenLogProbabilities(**{
-                name: getattr(earlier, name) + getattr(result, name)
+                name: getattr(earlier, name)[:kept] + getattr(result, name)
                 for name in TokenLogProbabilities.__struct_fields__
             })
         if inside and result is not None:
             self._prompt_so_far[context.request_id] = result
+        elif not inside:
+            request_id, echoed = context.request_id, self._echoed
+            echoed[request_id] = weakref.ref(context, lambda _: echoed.pop(request_id, None))
         return result
+
+    def _answered(self, context: Any) -> bool:
+        """Whether `context`'s prompt has been echoed (it is prefilled again after a
+        preemption)."""
+        if context is None:
+            return False
+        remembered = self._echoed.get(context.request_id)
+        return remembered is not None and remembered() is context
 
     def release(self, request_id: RequestID) -> None:
         """Forgets a finished or cancelled request's earlier chunks."""

@@ -7,6 +7,7 @@ through the server and the generator (`tests/test_serve.py`, `tests/generate`).
 
 from __future__ import annotations
 
+import gc
 import inspect
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import pytest
 from max.driver import CPU, Buffer
 from max.engine import InferenceSession
 from max.nn.transformer import ReturnLogits
+from max.pipelines.context import TextContext, TokenBuffer
 from max.pipelines.lib import ModelOutputs, ModuleV3PipelineModelWithKVCache, PipelineModel
 from max.pipelines.lib.log_probabilities import LogProbabilitiesMixin
 
@@ -95,3 +97,40 @@ def test_echo_without_every_positions_logits_is_refused_by_name() -> None:
             None, inputs, outputs, sampled, [1, 1], [True, False],  # type: ignore[arg-type]
             ReturnLogits.LAST_TOKEN,
         )
+
+
+def test_a_prompt_prefilled_again_after_a_preemption_is_echoed_once() -> None:
+    """MAX prefills a request it preempts while it decodes again, its tokens so far as
+    the prompt (`TextContext.reset`); its echo answered that prompt a second time in the
+    middle of the answer. The second prefill is scored as without echo: the sampled
+    token's entry alone."""
+    device = CPU()
+    session = InferenceSession(devices=[device])
+    ours = LogProbabilities(device)
+    context = TextContext(max_length=64, tokens=TokenBuffer(np.array([5, 6, 7], dtype=np.int64)))
+
+    def prefill(context: TextContext, tokens: list[int], sampled: int, seed: int) -> list:
+        logits = np.random.default_rng(seed).normal(0, 3, (len(tokens), VOCAB)).astype(np.float32)
+        inputs = SimpleNamespace(
+            tokens=Buffer.from_numpy(np.array(tokens, dtype=np.int64)),
+            input_row_offsets=Buffer.from_numpy(np.array([0, len(tokens)], dtype=np.uint32)),
+            contexts=[context],
+        )
+        outputs = ModelOutputs(logits=Buffer.from_numpy(logits),
+                               next_token_logits=Buffer.from_numpy(logits[-1:]))
+        (row,) = ours.compute(session, inputs, outputs,
+                              Buffer.from_numpy(np.array([sampled], dtype=np.int64)),
+                              [1], [True], ReturnLogits.ALL)
+        last = logits[-1] - logits[-1].max()
+        assert row.token_log_probabilities[-1] == pytest.approx(
+            last[sampled] - np.log(np.exp(last).sum()), abs=1e-5)
+        return row.token_log_probabilities
+
+    assert len(prefill(context, [5, 6, 7], sampled=11, seed=2)) == 3  # tokens 6 and 7, then 11
+    context.update(11)
+    context.update(12)
+    context.reset()  # preempted: [5, 6, 7, 11, 12] is the prompt now
+    assert len(prefill(context, [5, 6, 7, 11, 12], sampled=13, seed=3)) == 1
+    del context
+    gc.collect()
+    assert not ours._echoed  # forgotten with the request

@@ -674,6 +674,35 @@ def test_echo_answers_as_openai_with_every_prompt_token(chunking_server, checkpo
             for entry in chunk.logprobs.token_logprobs] == logprobs.token_logprobs
 
 
+def test_echo_of_a_request_preempted_while_it_decodes_scores_each_token_once(
+    checkpoints, hf_models, tmp_path
+):
+    """Four requests of 100 prompt tokens and 60 new on a cache of four pages (512
+    tokens): each needs a second page while it decodes, so MAX preempts some and later
+    prefills each again with its tokens so far as its prompt. Their echo answered that
+    prompt's entries again in the middle of the answer (a request preempted once: 100 +
+    60 + 159 entries); now each token has one, transformers' own."""
+    model = hf_models("default")
+    prompts = [random_prompt(100, seed=700 + i) for i in range(4)]
+    log = tmp_path / "server.log"
+    with max_serve(checkpoints("default", "hub"), "--max-batch-size", "4",
+                   "--max-batch-total-tokens", "512", "--enable-echo", log=log) as running:
+        api = client(running.url)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(lambda prompt: api.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=60, echo=True, logprobs=1, **GREEDY
+            ), prompts))
+        assert "Preempted a request due to lack of KV pages" in log.read_text()
+    for prompt, response in zip(prompts, responses, strict=True):
+        (choice,) = response.choices
+        tokens = token_ids(choice)
+        assert tokens == hf_greedy(model, prompt, 60)[0]
+        reported = choice.logprobs.token_logprobs
+        assert len(reported) == 160 and reported[0] is None
+        np.testing.assert_allclose(reported[1:], hf_prompt_logprobs(model, prompt + tokens),
+                                   atol=LOGPROBS_ATOL, rtol=0)
+
+
 def test_echo_without_logprobs_puts_the_prompt_before_the_completion(server, checkpoints,
                                                                     hf_models):
     prompt = random_prompt(12, seed=31)
