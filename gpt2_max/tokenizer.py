@@ -19,8 +19,9 @@ tokens that would end the request (none under `ignore_eos` without stop ids, whe
 empty mask stopped the worker), and `generation_config.json`'s `min_new_tokens`, which
 the client never sent, gives way to the request's room and to a `response_format`. A
 checkpoint whose `generation_config.json` sets sampling defaults MAX would refuse in
-every request that leaves them unset is refused at load, as are end-of-text ids outside
-the vocabulary.
+every request that leaves them unset, or could not pass to the model worker, or which
+transformers cannot read (MAX drops it whole), is refused at load, as are end-of-text
+ids outside the vocabulary.
 
 A `response_format` JSON schema (served with `--enable-structured-output`,
 which `gpt2_max.shims.structured_output` lets through on the CPU) goes through
@@ -62,7 +63,7 @@ from max.pipelines.modeling.types import (
     TextGenerationRequestMessage,
     TextGenerationRequestTool,
 )
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from .json_schemas import SchemaError, prepare
 from .model_config import usable_vocab_size
@@ -70,10 +71,16 @@ from .shims.request_bodies import (
     CheckedSamplingParams,
     ClientMinTokens,
     ClientStopTokenIds,
+    is_int64,
     refusal,
+    unreadable,
 )
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 from .weights.schema import CheckpointError
+
+INTEGER_DEFAULTS = frozenset({"top_k", "max_new_tokens", "min_new_tokens", "stop_token_ids"})
+"""`generation_config.json`'s fields MAX's model worker takes as 64-bit integers (its
+`eos_token_id` arrives as `stop_token_ids`)."""
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 """The real GPT-2 tokenizer, vendored so nothing needs the network."""
@@ -115,15 +122,36 @@ class GPT2TextTokenizer(TextTokenizer):
         self._check_sampling_defaults(pipeline_config)
 
     def _check_sampling_defaults(self, pipeline_config: PipelineConfig) -> None:
-        """Refuses sampling defaults of `generation_config.json` that MAX refuses.
+        """Refuses a `generation_config.json` whose defaults MAX would refuse or could
+        not carry, or which it could not read at all.
 
         MAX puts the defaults into every request that leaves them unset and checks
         them there: a `temperature` of -1, say, answered every such request 400
         naming a value the client never sent, and a `min_new_tokens` past the window
-        refused every request, each as the client's fault.
+        refused every request, each as the client's fault. A count given as a float
+        (`2.0`) or past 64 bits passed that check, and MAX's queue to the model worker
+        refused it there, which stopped the worker (500, then no server); a stop id
+        not an integer answered every request 400. A file transformers refuses
+        (`num_return_sequences` 2 beside greedy defaults, JSON with a trailing comma)
+        MAX drops whole, with its end-of-text ids, logging it only at debug.
         """
-        defaults = pipeline_config.model.sampling_params_defaults
+        model = pipeline_config.model
+        file = Path(model.model_path, model.subfolder or "", "generation_config.json")
+        if file.is_file():
+            try:
+                GenerationConfig.from_pretrained(file.parent)
+            except Exception as error:  # MAX's own load catches all of them
+                raise CheckpointError(
+                    f"{file} cannot be read ({str(error).rstrip('.')}). MAX would "
+                    "serve as if it were not there, without its end-of-text ids and "
+                    "sampling defaults: correct or remove it."
+                ) from None
+        defaults = model.sampling_params_defaults
         try:
+            for name, value in defaults.values_to_update.items():
+                for count in value if name == "stop_token_ids" else [value]:
+                    if name in INTEGER_DEFAULTS and not is_int64(count):
+                        raise ValueError(f"{name} must be a 64-bit integer, was {count!r}")
             # The routes' own check, which a request leaving them unset would meet.
             params = CheckedSamplingParams.from_input_and_generation_config(
                 SamplingParamsInput(), defaults)
@@ -159,6 +187,10 @@ class GPT2TextTokenizer(TextTokenizer):
             # MAX's checks of this request (`min_tokens` past the window), which the
             # routes would answer "Value error." without saying which.
             raise refusal(error) from None
+        except RecursionError as error:
+            # MAX's `json.dumps` of a `dkv_cache_hint` nested just under the depth the
+            # body parser refuses (the stack is deeper here): a 500.
+            raise unreadable(error, "the request's dkv_cache_hint") from None
         self._check_ids("prompt", context.tokens.prompt)
         self._check_ids("stop", self._own_stop_ids(request))
         self._fit_min_tokens(context, checkpoint_min, request.response_format is not None)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import shutil
+import sys
 
 import pytest
 from jinja2 import TemplateSyntaxError
@@ -162,6 +163,10 @@ def test_min_tokens_hold_back_only_what_a_request_can_be_held_to(checkpoints, ma
     ({"min_new_tokens": 64}, r"min_new_tokens \(64\) leaves no room for a prompt in the "
                              r"window of 64 tokens"),
     ({"repetition_penalty": 1e-39}, r"repetition_penalty=1e-39 is below 1e-30"),
+    # Counts and ids MAX's queue to the model worker refused, which stopped it.
+    ({"min_new_tokens": 2.0}, r"min_new_tokens must be a 64-bit integer, was 2.0"),
+    ({"max_new_tokens": 2**64}, rf"max_new_tokens must be a 64-bit integer, was {2**64}"),
+    ({"eos_token_id": [50256, "x"]}, r"stop_token_ids must be a 64-bit integer, was 'x'"),
     ({"do_sample": False, "repetition_penalty": 1.3, "min_new_tokens": 63}, None),
 ])
 def test_sampling_defaults_max_would_refuse_in_every_request_are_refused_at_load(
@@ -184,3 +189,39 @@ def test_sampling_defaults_max_would_refuse_in_every_request_are_refused_at_load
     with pytest.raises(CheckpointError, match=f"generation_config.json sets sampling "
                                               f"defaults .*{why}"):
         load()
+
+
+@pytest.mark.tier("unit")
+@pytest.mark.parametrize("text", [
+    json.dumps({"do_sample": False, "eos_token_id": [50256, 8539], "num_return_sequences": 2}),
+    '{"eos_token_id": 8539,}',
+])
+def test_a_generation_config_transformers_cannot_read_is_refused_at_load(
+    gpt2_max_checkpoint, tmp_path, text
+):
+    """MAX drops a `generation_config.json` transformers refuses, with its end-of-text
+    ids, and logs it only at debug: the server ran past the file's EOS."""
+    folder = shutil.copytree(gpt2_max_checkpoint, tmp_path / "unread")
+    (folder / "generation_config.json").write_text(text)
+    config = PipelineConfig.from_args(PipelineArgs.from_flat_kwargs(
+        model_path=str(folder), custom_architectures=["gpt2_max"], device_specs="cpu"))
+    with pytest.raises(CheckpointError, match=r"generation_config.json cannot be read \("):
+        GPT2TextTokenizer(str(folder), config, max_length=64)
+
+
+@pytest.mark.tier("unit")
+def test_a_dkv_cache_hint_nested_too_deep_is_refused(gpt2_max_checkpoint):
+    """MAX re-serializes a request's `dkv_cache_hint` (`json.dumps`) deeper in the stack
+    than the body parser reads it, so a hint nested just under the parser's refusal
+    raised `RecursionError` there: a 500."""
+    config = PipelineConfig.from_args(PipelineArgs.from_flat_kwargs(
+        model_path=str(gpt2_max_checkpoint), custom_architectures=["gpt2_max"],
+        device_specs="cpu"))
+    tokenizer = GPT2TextTokenizer(str(gpt2_max_checkpoint), config, max_length=64)
+    hint: dict = {"v": 1}
+    for _ in range(sys.getrecursionlimit()):
+        hint = {"a": hint}
+    deep = dataclasses.replace(request(), dkv_cache_hint=hint)
+    with pytest.raises(InputError, match="dkv_cache_hint cannot be read: nested too deep"):
+        asyncio.run(tokenizer.new_context(deep))
+    assert asyncio.run(tokenizer.new_context(request())).tokens.prompt_length == 2

@@ -333,7 +333,8 @@ class Requests:
                         stop_token_ids=request_bodies.ClientStopTokenIds(
                             options.stop_token_ids) or None,
                     ),
-                    sampling_params_defaults=self._sampling_defaults,
+                    sampling_params_defaults=request_bodies.sampling_defaults(
+                        options, self._sampling_defaults),
                 )),
             )
             for prompt, seed in zip(prompts, seeds, strict=True)

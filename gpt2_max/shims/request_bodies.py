@@ -68,7 +68,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from fastapi import HTTPException
-from max.pipelines.context import SamplingParams
+from max.pipelines.context import SamplingParams, SamplingParamsGenerationConfigDefaults
 from max.pipelines.context.exceptions import InputError
 from max.pipelines.modeling.types import PipelineTask
 from max.pipelines.sampling import ToolCallPolicy
@@ -104,6 +104,11 @@ INTEGERS = (-(2**63), 2**63 - 1)
 checks and fails later, as MAX's request queue serializes it (answered 500) or, up to
 2**64 - 1, as the model worker puts `top_k` into an int64 buffer (which takes the
 server down)."""
+
+
+def is_int64(value: Any) -> bool:
+    """Whether `value` is an integer (not a bool, not a float) within `INTEGERS`."""
+    return type(value) is int and INTEGERS[0] <= value <= INTEGERS[1]
 
 
 def integers(value: Any) -> list[int]:
@@ -207,7 +212,8 @@ def check_settings(body: Any, sampling: Any) -> None:
     `--enable-min-tokens` (`sampling`, the pipeline's `SamplingConfig`): MAX's model
     worker then samples as if they were not set, with a warning in the server's log
     that the client never sees (`max/pipelines/sampling/sampling_logits_processor.py`).
-    So is `min_tokens` beside a JSON `response_format`, which it would end."""
+    So is `min_tokens` or `ignore_eos` beside a JSON `response_format`, which they
+    would end."""
     if not sampling.enable_penalties:
         for name, neutral in NEUTRAL_PENALTIES.items():
             value = getattr(body, name, None)
@@ -218,13 +224,17 @@ def check_settings(body: Any, sampling: Any) -> None:
         raise InputError(f"min_tokens={body.min_tokens} is not served: this server was "
                          "started without --enable-min-tokens, and would stop without it.")
     response_format = getattr(body, "response_format", None)
-    if (getattr(body, "min_tokens", None) or 0) > 0 and isinstance(response_format, dict) \
-            and response_format.get("type") in ("json_schema", "json_object"):
-        raise InputError(
-            f"min_tokens={body.min_tokens} with a response_format is not served: once the "
-            "format is complete its grammar allows only the end of the text, which "
-            "min_tokens holds back, and MAX then drops the grammar for the rest of the "
-            "answer, which is no longer the format.")
+    if not (isinstance(response_format, dict)
+            and response_format.get("type") in ("json_schema", "json_object")):
+        return
+    for name, what in (("min_tokens", "holds back"), ("ignore_eos", "passes")):
+        setting = getattr(body, name, None)
+        if setting is True or type(setting) is int and setting > 0:
+            raise InputError(
+                f"{name}={setting} with a response_format is not served: once the format "
+                f"is complete its grammar allows only the end of the text, which {name} "
+                f"{what}, and MAX then drops the grammar for the rest of the answer, "
+                "which is no longer the format.")
 
 
 def check_tool_choice(body: Any, unforced: str | None) -> None:
@@ -408,17 +418,32 @@ class ClientMinTokens(int):
     (`GPT2TextTokenizer._fit_min_tokens`)."""
 
 
+def sampling_defaults(params: Any, defaults: SamplingParamsGenerationConfigDefaults
+                      ) -> SamplingParamsGenerationConfigDefaults:
+    """A checkpoint's `generation_config.json` defaults as they apply to a request's
+    `params`: its `do_sample: false` gives way where the request asks for a temperature
+    above 0. MAX turns it into a temperature of 0 and a `top_k` of 1 "unless user
+    overrides", and the client's temperature undid only the first, so every sampled
+    request came back greedy. vLLM reads no `do_sample`."""
+    if defaults.do_sample is False and (params.temperature or 0) > 0:
+        return dataclasses.replace(defaults, do_sample=None)
+    return defaults
+
+
 class CheckedSamplingParams(SamplingParams):
     """MAX's `SamplingParams` for the routes, whose one call of it
     (`from_input_and_generation_config`) raises its range checks as `InputError`,
     turns `SeedZero` back into 0, marks the client's `stop_token_ids`
     (`ClientStopTokenIds`) and `min_tokens` (`ClientMinTokens`), refuses a
-    `repetition_penalty` below `PENALTY_FLOOR` and samples greedily below
-    `GREEDY_BELOW`."""
+    `repetition_penalty` below `PENALTY_FLOOR`, samples greedily below
+    `GREEDY_BELOW` and lets a client's temperature sample where the checkpoint's
+    `do_sample` is false (`sampling_defaults`)."""
 
     @staticmethod
     @raises_input_error
-    def from_input_and_generation_config(params: Any, *args: Any, **kwargs: Any) -> Any:
+    def from_input_and_generation_config(
+        params: Any, sampling_params_defaults: SamplingParamsGenerationConfigDefaults
+    ) -> Any:
         if isinstance(params.seed, SeedZero):
             params = dataclasses.replace(params, seed=0)
         if params.stop_token_ids is not None:
@@ -428,7 +453,7 @@ class CheckedSamplingParams(SamplingParams):
             params = dataclasses.replace(
                 params, min_new_tokens=ClientMinTokens(params.min_new_tokens))
         return greedy_below(check_penalty(SamplingParams.from_input_and_generation_config(
-            params, *args, **kwargs)))
+            params, sampling_defaults(params, sampling_params_defaults))))
 
 
 def install() -> None:

@@ -103,17 +103,40 @@ def test_what_the_server_was_not_started_for_is_refused_naming_the_flag(fields, 
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "json_object"])
-def test_min_tokens_beside_a_json_response_format_is_refused(kind):
-    """Once the format is complete its grammar allows only EOS, which `min_tokens` masks:
-    MAX then dropped the grammar (`{"type": "boolean"}`, `min_tokens` 10 answered
-    `false!` and free text)."""
+@pytest.mark.parametrize("name, value", [("min_tokens", 10), ("ignore_eos", True)])
+def test_min_tokens_or_ignore_eos_beside_a_json_response_format_is_refused(kind, name, value):
+    """Once the format is complete its grammar allows only EOS, which `min_tokens` masks
+    and `ignore_eos` passes: MAX then dropped the grammar (`{"type": "boolean"}`,
+    `min_tokens` 10 answered `false!` and free text; `ignore_eos` answered
+    `truepartialhtt wing ceremonies`)."""
     started = sampling(min_tokens=True)
-    with pytest.raises(InputError, match="min_tokens=10 with a response_format is not"):
-        request_bodies.check_settings(body(min_tokens=10, response_format={"type": kind}),
+    with pytest.raises(InputError, match=f"{name}={value} with a response_format is not"):
+        request_bodies.check_settings(body(**{name: value}, response_format={"type": kind}),
                                       started)
-    request_bodies.check_settings(body(min_tokens=10, response_format={"type": "text"}),
+    request_bodies.check_settings(body(**{name: value}, response_format={"type": "text"}),
                                   started)
-    request_bodies.check_settings(body(min_tokens=0, response_format={"type": kind}), started)
+    request_bodies.check_settings(body(min_tokens=0, ignore_eos=False,
+                                       response_format={"type": kind}), started)
+
+
+def test_a_checkpoints_greedy_default_gives_way_to_a_clients_temperature():
+    """`do_sample: false` in `generation_config.json`: MAX made it temperature 0 and
+    top_k 1, and a client's temperature undid only the first, so a sampled request came
+    back greedy. A request that leaves the temperature unset, or sets 0, stays greedy."""
+    greedy = SamplingParamsGenerationConfigDefaults(do_sample=False, top_p=0.9)
+    sampled = request_bodies.CheckedSamplingParams.from_input_and_generation_config(
+        SamplingParamsInput(temperature=1.0), sampling_params_defaults=greedy)
+    assert (sampled.temperature, sampled.top_k, sampled.top_p) == (1.0, -1, 0.9)
+    for unset in (SamplingParamsInput(), SamplingParamsInput(temperature=0.0)):
+        params = request_bodies.CheckedSamplingParams.from_input_and_generation_config(
+            unset, sampling_params_defaults=greedy)
+        assert (params.temperature, params.top_k) == (0, 1)
+
+
+def test_a_64_bit_integer_is_an_int_within_int64():
+    assert request_bodies.is_int64(2**63 - 1) and request_bodies.is_int64(-(2**63))
+    for value in (2**63, 2.0, True, "2", None):
+        assert not request_bodies.is_int64(value)
 
 
 def test_neutral_penalties_and_no_min_tokens_pass_any_server():
