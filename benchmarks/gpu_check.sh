@@ -8,6 +8,9 @@
 # time is up, and every step writes its results into OUT_DIR as it goes. The benchmark's
 # share is the last BENCH_SECONDS (default 240).
 #
+# SIZES: which sizes `tests/gpu/test_sizes.py` serves after the tier (below);
+# PRECOMPILED: graphs compiled on another machine (below).
+#
 # The tier compiles two small graphs (bfloat16 and float32), each for minutes, so its
 # float32 test runs in a pytest of its own beside the rest, as do the parity tests at
 # the gpt2 and gpt2-xl shapes (four more graphs); meanwhile a throwaway run
@@ -38,7 +41,7 @@ export PYTHONUNBUFFERED=1 MODULAR_TELEMETRY_ENABLED=${MODULAR_TELEMETRY_ENABLED:
 bench=(env PYTHONPATH="$PWD/benchmarks:${PYTHONPATH:-}" python3 benchmarks/bench_gpu.py)
 left() { local s=$((deadline - SECONDS - ${1:-0})); echo $((s > 1 ? s : 1)); }  # timeout 0: none
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep 'Model name'; \
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E 'Model name|Model:|CPU family|Flags'; \
   python3 -c 'from importlib.metadata import version as v; print(*(f"{p} {v(p)}" for p in ("max", "torch", "transformers")))'; } >"$out/machine.txt" 2>&1
 # What the tier's clients need beyond MAX, checked before minutes of compiling:
 # an OpenAI client (its HTTP stack imports `truststore`) and the package itself.
@@ -46,6 +49,17 @@ if ! python3 -c 'import openai, gpt2_max.arch; openai.OpenAI(base_url="http://12
     >>"$out/machine.txt" 2>&1; then
   echo "preflight failed: $(tail -1 "$out/machine.txt")"; exit 1
 fi
+
+# Graphs compiled on another machine for this card (`benchmarks/gpu_precompile.py`), put in
+# MAX's cache before the first start (PRECOMPILED=the .tar.xz); the end lists the graphs
+# the card compiled itself, each a model whose graph differs from the one built there.
+mef=$(python3 -c 'from gpt2_max.max_cache import max_cache_dir; print(max_cache_dir())')/.max_cache/mof/mef
+if [ -n "${PRECOMPILED:-}" ]; then
+  mkdir -p "$mef" && tar xJf "$PRECOMPILED" -C "$mef" \
+    && echo "precompiled: $(ls "$mef"/*/ | wc -l) graphs in MAX's cache from $PRECOMPILED" >>"$out/machine.txt"
+fi
+compiled_here() { ls "$mef"/*/ 2>/dev/null | sort | comm -13 "$out/mef-before.txt" - >"$out/mef-compiled-here.txt"; }
+ls "$mef"/*/ 2>/dev/null | sort >"$out/mef-before.txt"
 
 "${bench[@]}" "${bench_args[@]}" --new-tokens 2 --repeat 1 --peers "" --no-serve >"$out/warm.log" 2>&1 &
 warm=$!
@@ -61,14 +75,22 @@ tier gpu-tier-float32 tests/gpu/test_parity.py -k "float32 and not family" &
 float32=$!
 tier gpu-tier-family tests/gpu/test_parity.py -k family &  # the gpt2 and xl shapes
 family=$!
-tier gpu-tier tests/gpu -k "not float32 and not family"
+tier gpu-tier tests/gpu --ignore=tests/gpu/test_sizes.py -k "not float32 and not family"
 wait "$float32" "$family"
+# Every size as typed, one server at a time (each takes MAX's share of the card): the
+# sizes SIZES names (a `-k` expression, as "distilgpt2 or xl"; "all"), none by default.
+if [ -n "${SIZES:-}" ]; then
+  pick=(); [ "$SIZES" = all ] || pick=(-k "$SIZES")
+  tier gpu-sizes tests/gpu/test_sizes.py ${pick[@]+"${pick[@]}"}
+fi
 for log in /tmp/pytest-of-*/pytest-*/gpu-serve*/server.log; do  # each tier server's log
   [ -f "$log" ] && cp "$log" "$out/$(basename "$(dirname "$log")").log"
 done
 
+compiled_here
 wait "$warm"; echo "cache fill: rc=$? at $((SECONDS - start)) s" | tee -a "$out/warm.log"
 start=$SECONDS
 timeout -s INT -k 20 "$(left 10)" "${bench[@]}" "${bench_args[@]}" --out "$out/bench-gpu.json" \
   >"$out/bench-gpu.log" 2>&1
 echo "bench: rc=$? in $((SECONDS - start)) s" | tee -a "$out/bench-gpu.log"
+compiled_here
