@@ -227,7 +227,7 @@ def check_settings(body: Any, sampling: Any) -> None:
     if not (isinstance(response_format, dict)
             and response_format.get("type") in ("json_schema", "json_object")):
         return
-    for name, what in (("min_tokens", "holds back"), ("ignore_eos", "passes")):
+    for name, what in (("min_tokens", "holds back"), ("ignore_eos", "passes over")):
         setting = getattr(body, name, None)
         if setting is True or type(setting) is int and setting > 0:
             raise InputError(
