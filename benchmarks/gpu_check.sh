@@ -53,13 +53,15 @@ fi
 # Graphs compiled on another machine for this card (`benchmarks/gpu_precompile.py`), put in
 # MAX's cache before the first start (PRECOMPILED=the .tar.xz); the end lists the graphs
 # the card compiled itself, each a model whose graph differs from the one built there.
-mef=$(python3 -c 'from gpt2_max.max_cache import max_cache_dir; print(max_cache_dir())')/.max_cache/mof/mef
+mef=$(python3 -c 'from gpt2_max.max_cache import max_cache_dir; print(max_cache_dir())')
+[ -n "$mef" ] || { echo "preflight failed: MAX's cache folder not found"; exit 1; }
+mef=$mef/.max_cache/mof/mef
 if [ -n "${PRECOMPILED:-}" ]; then
   mkdir -p "$mef" && tar xJf "$PRECOMPILED" -C "$mef" \
-    && echo "precompiled: $(ls "$mef"/*/ | wc -l) graphs in MAX's cache from $PRECOMPILED" >>"$out/machine.txt"
+    && echo "precompiled: $(ls "$mef"/*/* | wc -l) graphs in MAX's cache from $PRECOMPILED" >>"$out/machine.txt"
 fi
-compiled_here() { ls "$mef"/*/ 2>/dev/null | sort | comm -13 "$out/mef-before.txt" - >"$out/mef-compiled-here.txt"; }
-ls "$mef"/*/ 2>/dev/null | sort >"$out/mef-before.txt"
+compiled_here() { ls "$mef"/*/* 2>/dev/null | sort | comm -13 "$out/mef-before.txt" - >"$out/mef-compiled-here.txt"; }
+ls "$mef"/*/* 2>/dev/null | sort >"$out/mef-before.txt"
 
 "${bench[@]}" "${bench_args[@]}" --new-tokens 2 --repeat 1 --peers "" --no-serve >"$out/warm.log" 2>&1 &
 warm=$!
@@ -68,6 +70,7 @@ start=$SECONDS
 tier() {  # tier NAME PYTEST_ARGS...: the tier's tests named, interrupted at the tier's share
   local name=$1; shift
   timeout -s INT -k 30 "$(left "${BENCH_SECONDS:-240}")" python3 -m pytest -m gpu "$@" -v -rA --durations=0 \
+    -o tmp_path_retention_count=10 \
     --junitxml="$out/$name.xml" -o junit_logging=all >"$out/$name.log" 2>&1
   echo "$name: rc=$? in $((SECONDS - start)) s" | tee -a "$out/$name.log"
 }

@@ -11,7 +11,10 @@ would read. This builds every model of `gpu_check.sh`'s run that way, one proces
 each, into a cache folder of its own (`--cache`, kept between runs), and packs the
 compiled graphs (a few MB after xz). `gpu_check.sh` unpacks them into MAX's cache
 before its first start (`PRECOMPILED=...`) and lists the graphs the card still had to
-compile, which names any model whose graph differs from the one built here.
+compile: a model whose graph differs from the one built here, or one of the small
+graphs built at a first request rather than at a start (the log-probabilities graph).
+Benchmark variants that change only the run (MAX's device-sync mode, its legacy KV
+cache) are not built here.
 
 Which settings make another graph was measured on the CPU (a second build that finds
 its graph in the cache takes seconds): the shape, the dtype and `--enable-echo` do;
@@ -142,6 +145,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated graph names (all if empty)")
     args = parser.parse_args()
     wanted = [name for name in args.only.split(",") if name]
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # before hours of compiling
     checkpoints_dir = args.cache / "checkpoints"
     report = []
     for name, checkpoint, how, settings, env in GRAPHS:
@@ -171,6 +175,8 @@ def main() -> None:
     (args.out.parent / (args.out.name + ".json")).write_text(json.dumps(report, indent=1))
     print(f"{len(compiled_graphs(args.cache))} compiled graphs in {args.out} "
           f"({args.out.stat().st_size / 2**20:.1f} MiB)")
+    if failed := [row["graph"] for row in report if row["rc"]]:
+        raise SystemExit(f"not built (their logs in {args.cache / 'logs'}): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

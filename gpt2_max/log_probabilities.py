@@ -19,16 +19,19 @@ one, so echo reported the last chunk's prompt tokens alone. Each chunk here scor
 last row against the prompt's next token and is kept until the step that ends the
 prompt, which answers for the whole prompt.
 
-A request preempted while it decodes (the KV cache full) is prefilled again with its
-tokens so far as its prompt (`TextContext.reset`), and MAX's echo answered that
-prompt's entries a second time in the middle of the answer. Its prompt is echoed once:
-the context that was answered is remembered (weakly: MAX drops it when the request
-ends) and its later prefills are scored as a request without echo.
+MAX puts a request back in its queue (`TextContext.reset`) when the KV cache runs
+short: while it decodes, to be prefilled again with its tokens so far as its prompt,
+whose entries MAX's echo answered a second time in the middle of the answer; or
+between two chunks of its prompt, to go on after the pages the prefix cache kept.
+So an echoing request's state lives as long as its context, not to MAX's `release`,
+which it calls on both: its prompt is answered once, and its later prefills are
+scored as a request without echo.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from max.driver import Buffer, Device
@@ -46,18 +49,26 @@ from max.pipelines.modeling.types import RequestID
 from .shims.internals import log_probabilities_heap_levels
 
 
+@dataclass
+class EchoedPrompt:
+    """An echoing request's prompt, kept while MAX holds its context."""
+
+    context: weakref.ref[Any]
+    scored: TokenLogProbabilities | None = None
+    """Its entries so far, while chunked prefill splits it (tokens 1 to the last
+    chunk's end)."""
+    answered: bool = False
+    """Whether its entries have been answered."""
+
+
 class LogProbabilities:
     """MAX's log-probabilities for one pipeline model's steps, on its device."""
 
     def __init__(self, device: Device) -> None:
         self._device = device
         self._graph: Model | None = None
-        self._prompt_so_far: dict[RequestID, TokenLogProbabilities] = {}
-        """Per echoing request whose prompt is being prefilled in chunks, its earlier
-        chunks' log-probabilities."""
-        self._echoed: dict[RequestID, weakref.ref[Any]] = {}
-        """Per echoing request whose prompt has been answered, its context, while MAX
-        holds it. Not forgotten at `release`, which MAX also calls when it preempts."""
+        self._prompts: dict[RequestID, EchoedPrompt] = {}
+        """Per echoing request, its prompt, until MAX drops its context."""
 
     def compute(
         self,
@@ -73,6 +84,12 @@ class LogProbabilities:
         token's, the top `top_n`, and with `echo` the prompt's too, which needs the
         logits of every position (`--enable-echo`)."""
         all_logits = return_logits in (ReturnLogits.ALL, ReturnLogits.VARIABLE)
+        ragged: Any = inputs  # tokens, input_row_offsets and contexts, as `GPT2Inputs`
+        contexts: list[Any] = list(getattr(ragged, "contexts", ()) or [None] * len(batch_echo))
+        # Echo without `logprobs` (served without `--enable-echo` too) needs no scores.
+        batch_echo = [echo and top_n > 0 and not self._answered(context)
+                      for echo, top_n, context in zip(batch_echo, batch_top_n, contexts,
+                                                      strict=True)]
         if any(batch_echo) and not all_logits:
             raise ValueError(
                 "Log probabilities with echo=true requires enable_echo=true "
@@ -83,10 +100,6 @@ class LogProbabilities:
             self._graph = session.load(log_probabilities_ragged_graph(
                 DeviceRef.from_device(self._device), levels=log_probabilities_heap_levels()
             ))
-        ragged: Any = inputs  # tokens, input_row_offsets and contexts, as `GPT2Inputs`
-        contexts: list[Any] = list(getattr(ragged, "contexts", ()) or [None] * len(batch_echo))
-        batch_echo = [echo and not self._answered(context)
-                      for echo, context in zip(batch_echo, contexts, strict=True)]
         inside = [echo and context is not None and context.tokens.actively_chunked
                   for echo, context in zip(batch_echo, contexts, strict=True)]
         scored = next_tokens.to_numpy()
@@ -116,32 +129,36 @@ class LogProbabilities:
         self, context: Any, result: TokenLogProbabilities | None, inside: bool
     ) -> TokenLogProbabilities | None:
         """`result`, an echoing row's, after its prompt's earlier chunks; kept instead
-        while the step ends `inside` the prompt."""
-        earlier = self._prompt_so_far.pop(context.request_id, None)
+        while the step ends `inside` the prompt, else the prompt is answered."""
+        prompt = self._prompt(context)
+        earlier, prompt.scored = prompt.scored, None
         if result is not None and earlier is not None:  # each field a list, a token an item
-            # Earlier chunks scored the prompt's tokens 1 to the last chunk's end; this
-            # step scores from `processed_length` + 1 on, which is less where the prompt
-            # is prefilled again (from the start, or after its own cached pages).
+            # This step scores from `processed_length` + 1 on: less than the earlier
+            # chunks reached where the prompt is prefilled again (from the start, or
+            # after the pages the prefix cache kept).
             kept = context.tokens.processed_length
             result = TokenLogProbabilities(**{
                 name: getattr(earlier, name)[:kept] + getattr(result, name)
                 for name in TokenLogProbabilities.__struct_fields__
             })
-        if inside and result is not None:
-            self._prompt_so_far[context.request_id] = result
-        elif not inside:
-            request_id, echoed = context.request_id, self._echoed
-            echoed[request_id] = weakref.ref(context, lambda _: echoed.pop(request_id, None))
+        if inside:
+            prompt.scored = result
+        else:
+            prompt.answered = True
         return result
+
+    def _prompt(self, context: Any) -> EchoedPrompt:
+        """`context`'s prompt, recorded at its first echoing step and forgotten when
+        MAX drops the context."""
+        request_id, prompts = context.request_id, self._prompts
+        prompt = prompts.get(request_id)
+        if prompt is None or prompt.context() is not context:
+            prompt = prompts[request_id] = EchoedPrompt(
+                weakref.ref(context, lambda _: prompts.pop(request_id, None)))
+        return prompt
 
     def _answered(self, context: Any) -> bool:
         """Whether `context`'s prompt has been echoed (it is prefilled again after a
         preemption)."""
-        if context is None:
-            return False
-        remembered = self._echoed.get(context.request_id)
-        return remembered is not None and remembered() is context
-
-    def release(self, request_id: RequestID) -> None:
-        """Forgets a finished or cancelled request's earlier chunks."""
-        self._prompt_so_far.pop(request_id, None)
+        prompt = None if context is None else self._prompts.get(context.request_id)
+        return prompt is not None and prompt.context() is context and prompt.answered

@@ -132,10 +132,6 @@ class GPT2PipelineModel(ModuleV3PipelineModelWithKVCache[TextContext]):
             self.return_logits,
         )
 
-    def release(self, request_id: Any) -> None:
-        """What MAX's text pipeline calls as a request ends (finished or cancelled)."""
-        self.log_probabilities.release(request_id)
-
     def takes(self, part: str) -> bool:
         """Whether an extension wants `part` of MAX handed over (`Extension.takes`)."""
         return any(part in extension.takes for extension in self.extensions)

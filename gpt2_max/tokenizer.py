@@ -78,9 +78,9 @@ from .shims.request_bodies import (
 from .weights.files import TOKENIZER_FILES, tokenizer_files_named
 from .weights.schema import CheckpointError
 
-INTEGER_DEFAULTS = frozenset({"top_k", "max_new_tokens", "min_new_tokens", "stop_token_ids"})
-"""`generation_config.json`'s fields MAX's model worker takes as 64-bit integers (its
-`eos_token_id` arrives as `stop_token_ids`)."""
+INTEGER_DEFAULTS = ("top_k", "max_new_tokens", "min_new_tokens")
+"""`generation_config.json`'s counts, which MAX's model worker takes as 64-bit integers,
+as it takes `eos_token_id` (one or a list)."""
 
 TOKENIZER_DIR = Path(__file__).parent / "gpt2_tokenizer"
 """The real GPT-2 tokenizer, vendored so nothing needs the network."""
@@ -133,7 +133,8 @@ class GPT2TextTokenizer(TextTokenizer):
         refused it there, which stopped the worker (500, then no server); a stop id
         not an integer answered every request 400. A file transformers refuses
         (`num_return_sequences` 2 beside greedy defaults, JSON with a trailing comma)
-        MAX drops whole, with its end-of-text ids, logging it only at debug.
+        MAX drops whole, with its end-of-text ids, logging it only at debug; that is
+        checked for a checkpoint folder (a hub id's file is read by MAX alone).
         """
         model = pipeline_config.model
         file = Path(model.model_path, model.subfolder or "", "generation_config.json")
@@ -148,10 +149,12 @@ class GPT2TextTokenizer(TextTokenizer):
                 ) from None
         defaults = model.sampling_params_defaults
         try:
-            for name, value in defaults.values_to_update.items():
-                for count in value if name == "stop_token_ids" else [value]:
-                    if name in INTEGER_DEFAULTS and not is_int64(count):
-                        raise ValueError(f"{name} must be a 64-bit integer, was {count!r}")
+            ids = defaults.eos_token_id  # MAX drops one not an int or a list unread
+            for name, value in [*((name, getattr(defaults, name)) for name in INTEGER_DEFAULTS),
+                                *(("eos_token_id", i) for i in (ids if isinstance(ids, list)
+                                                                else [ids]))]:
+                if value is not None and not is_int64(value):
+                    raise ValueError(f"{name} must be a 64-bit integer, was {value!r}")
             # The routes' own check, which a request leaving them unset would meet.
             params = CheckedSamplingParams.from_input_and_generation_config(
                 SamplingParamsInput(), defaults)
@@ -190,7 +193,7 @@ class GPT2TextTokenizer(TextTokenizer):
         except RecursionError as error:
             # MAX's `json.dumps` of a `dkv_cache_hint` nested just under the depth the
             # body parser refuses (the stack is deeper here): a 500.
-            raise unreadable(error, "the request's dkv_cache_hint") from None
+            raise unreadable(error, "the request") from None
         self._check_ids("prompt", context.tokens.prompt)
         self._check_ids("stop", self._own_stop_ids(request))
         self._fit_min_tokens(context, checkpoint_min, request.response_format is not None)

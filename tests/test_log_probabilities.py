@@ -99,38 +99,95 @@ def test_echo_without_every_positions_logits_is_refused_by_name() -> None:
         )
 
 
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    shifted = row - row.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+class EchoSteps:
+    """MAX's log-probabilities of one echoing request's steps, as its pipeline asks."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        device = CPU()
+        self.session = InferenceSession(devices=[device])
+        self.ours = LogProbabilities(device)
+        self.context = TextContext(max_length=64, tokens=TokenBuffer(np.array(prompt)))
+        self.logits: dict[int, np.ndarray] = {}
+        """Per position, the logits of its row at the step that scored it last."""
+
+    def step(self, sampled: int, seed: int) -> list[float]:
+        tokens = self.context.tokens
+        start, rows = tokens.processed_length, tokens.active_length
+        logits = np.random.default_rng(seed).normal(0, 3, (rows, VOCAB)).astype(np.float32)
+        self.logits.update((start + i, logits[i]) for i in range(rows))
+        inputs = SimpleNamespace(
+            tokens=Buffer.from_numpy(np.asarray(tokens.active, dtype=np.int64)),
+            input_row_offsets=Buffer.from_numpy(np.array([0, rows], dtype=np.uint32)),
+            contexts=[self.context],
+        )
+        outputs = ModelOutputs(logits=Buffer.from_numpy(logits),
+                               next_token_logits=Buffer.from_numpy(logits[-1:]))
+        (row,) = self.ours.compute(self.session, inputs, outputs,
+                                   Buffer.from_numpy(np.array([sampled], dtype=np.int64)),
+                                   [1], [True], ReturnLogits.ALL)
+        return row.token_log_probabilities
+
+    def preempt(self) -> None:
+        """What MAX does to a request it puts back in its queue
+        (`_return_to_request_queue`): the pipeline's `release` (the package's model
+        handed it on to a `release` here before), then the context's reset."""
+        getattr(self.ours, "release", lambda request_id: None)(self.context.request_id)
+        self.context.reset()
+
+    def expected(self, sequence: list[int]) -> list[float]:
+        """Each of `sequence`'s tokens after the first, scored by its position's row."""
+        return [float(log_softmax(self.logits[i - 1])[sequence[i]])
+                for i in range(1, len(sequence))]
+
+
 def test_a_prompt_prefilled_again_after_a_preemption_is_echoed_once() -> None:
     """MAX prefills a request it preempts while it decodes again, its tokens so far as
     the prompt (`TextContext.reset`); its echo answered that prompt a second time in the
     middle of the answer. The second prefill is scored as without echo: the sampled
     token's entry alone."""
-    device = CPU()
-    session = InferenceSession(devices=[device])
-    ours = LogProbabilities(device)
-    context = TextContext(max_length=64, tokens=TokenBuffer(np.array([5, 6, 7], dtype=np.int64)))
-
-    def prefill(context: TextContext, tokens: list[int], sampled: int, seed: int) -> list:
-        logits = np.random.default_rng(seed).normal(0, 3, (len(tokens), VOCAB)).astype(np.float32)
-        inputs = SimpleNamespace(
-            tokens=Buffer.from_numpy(np.array(tokens, dtype=np.int64)),
-            input_row_offsets=Buffer.from_numpy(np.array([0, len(tokens)], dtype=np.uint32)),
-            contexts=[context],
-        )
-        outputs = ModelOutputs(logits=Buffer.from_numpy(logits),
-                               next_token_logits=Buffer.from_numpy(logits[-1:]))
-        (row,) = ours.compute(session, inputs, outputs,
-                              Buffer.from_numpy(np.array([sampled], dtype=np.int64)),
-                              [1], [True], ReturnLogits.ALL)
-        last = logits[-1] - logits[-1].max()
-        assert row.token_log_probabilities[-1] == pytest.approx(
-            last[sampled] - np.log(np.exp(last).sum()), abs=1e-5)
-        return row.token_log_probabilities
-
-    assert len(prefill(context, [5, 6, 7], sampled=11, seed=2)) == 3  # tokens 6 and 7, then 11
-    context.update(11)
-    context.update(12)
-    context.reset()  # preempted: [5, 6, 7, 11, 12] is the prompt now
-    assert len(prefill(context, [5, 6, 7, 11, 12], sampled=13, seed=3)) == 1
-    del context
+    steps = EchoSteps([5, 6, 7])
+    assert steps.step(sampled=11, seed=2) == pytest.approx(steps.expected([5, 6, 7, 11]),
+                                                           abs=1e-5)
+    steps.context.update(11)
+    steps.context.update(12)
+    steps.preempt()  # [5, 6, 7, 11, 12] is the prompt now
+    assert steps.step(sampled=13, seed=3) == pytest.approx(
+        steps.expected([5, 6, 7, 11, 12, 13])[-1:], abs=1e-5)
+    ours = steps.ours
+    del steps
     gc.collect()
-    assert not ours._echoed  # forgotten with the request
+    assert not ours._prompts  # forgotten with the request
+
+
+def test_a_prompt_preempted_between_its_chunks_is_echoed_whole() -> None:
+    """MAX also puts back a prompt that chunked prefill splits, between two chunks (its
+    KV pages short), and prefills it again after the pages the prefix cache kept: the
+    entries of the tokens before those pages come from the earlier chunks."""
+    prompt = list(range(5, 15))
+    steps = EchoSteps(prompt)
+    for chunk, seed in ((4, 1), (3, 2)):
+        steps.context.tokens.chunk(chunk)
+        steps.step(sampled=99, seed=seed)  # the sampler's draw inside the prompt: unused
+        steps.context.tokens.advance_chunk()
+    steps.preempt()
+    steps.context.tokens.skip_processing(4)  # the first four tokens' pages still cached
+    answered = steps.step(sampled=40, seed=3)
+    assert len(answered) == len(prompt)
+    assert answered == pytest.approx(steps.expected(prompt + [40]), abs=1e-5)
+
+
+def test_echo_without_logprobs_needs_no_scores() -> None:
+    """Echo without `logprobs` is served without `--enable-echo` too: beside a request
+    asking for log-probabilities it failed the whole step for want of every position's
+    logits."""
+    inputs, outputs, sampled = step()
+    rows = LogProbabilities(CPU()).compute(
+        InferenceSession(devices=[CPU()]), inputs, outputs, sampled, [0, 2], [True, False],
+        ReturnLogits.LAST_TOKEN,
+    )
+    assert rows[0] is None and len(rows[1].token_log_probabilities) == 1

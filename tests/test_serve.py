@@ -680,8 +680,8 @@ def test_echo_of_a_request_preempted_while_it_decodes_scores_each_token_once(
     """Four requests of 100 prompt tokens and 60 new on a cache of four pages (512
     tokens): each needs a second page while it decodes, so MAX preempts some and later
     prefills each again with its tokens so far as its prompt. Their echo answered that
-    prompt's entries again in the middle of the answer (a request preempted once: 100 +
-    60 + 159 entries); now each token has one, transformers' own."""
+    prompt's entries again in the middle of the answer (288 entries where 160 are due,
+    in one run); now each token has one, transformers' own."""
     model = hf_models("default")
     prompts = [random_prompt(100, seed=700 + i) for i in range(4)]
     log = tmp_path / "server.log"

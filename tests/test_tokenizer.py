@@ -166,7 +166,8 @@ def test_min_tokens_hold_back_only_what_a_request_can_be_held_to(checkpoints, ma
     # Counts and ids MAX's queue to the model worker refused, which stopped it.
     ({"min_new_tokens": 2.0}, r"min_new_tokens must be a 64-bit integer, was 2.0"),
     ({"max_new_tokens": 2**64}, rf"max_new_tokens must be a 64-bit integer, was {2**64}"),
-    ({"eos_token_id": [50256, "x"]}, r"stop_token_ids must be a 64-bit integer, was 'x'"),
+    ({"eos_token_id": [50256, "x"]}, r"eos_token_id must be a 64-bit integer, was 'x'"),
+    ({"eos_token_id": 50256.0}, r"eos_token_id must be a 64-bit integer, was 50256.0"),
     ({"do_sample": False, "repetition_penalty": 1.3, "min_new_tokens": 63}, None),
 ])
 def test_sampling_defaults_max_would_refuse_in_every_request_are_refused_at_load(
@@ -222,6 +223,6 @@ def test_a_dkv_cache_hint_nested_too_deep_is_refused(gpt2_max_checkpoint):
     for _ in range(sys.getrecursionlimit()):
         hint = {"a": hint}
     deep = dataclasses.replace(request(), dkv_cache_hint=hint)
-    with pytest.raises(InputError, match="dkv_cache_hint cannot be read: nested too deep"):
+    with pytest.raises(InputError, match="the request cannot be read: nested too deep"):
         asyncio.run(tokenizer.new_context(deep))
     assert asyncio.run(tokenizer.new_context(request())).tokens.prompt_length == 2

@@ -49,12 +49,11 @@ def sized(request, tmp_path_factory) -> tuple[str, Path, GPT2LMHeadModel]:
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_every_size_is_served_as_typed_with_transformers_clear_tokens(
-    sized, encoding, tmp_path
+    sized, encoding, tmp_path_factory
 ):
     name, checkpoint, reference = sized
     flags, dtype, margin = ENCODINGS[encoding]
-    log = tmp_path / f"gpu-serve-{name}-{encoding}" / "server.log"
-    log.parent.mkdir()
+    log = tmp_path_factory.mktemp(f"gpu-serve-{name}-{encoding}") / "server.log"
     with max_serve(checkpoint, *flags, log=log, devices=None) as server, OpenAI(
         base_url=f"{server.url}/v1", api_key="unused", max_retries=0
     ) as api:
