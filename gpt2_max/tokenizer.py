@@ -150,9 +150,9 @@ class GPT2TextTokenizer(TextTokenizer):
         defaults = model.sampling_params_defaults
         try:
             ids = defaults.eos_token_id  # MAX drops one not an int or a list unread
-            for name, value in [*((name, getattr(defaults, name)) for name in INTEGER_DEFAULTS),
-                                *(("eos_token_id", i) for i in (ids if isinstance(ids, list)
-                                                                else [ids]))]:
+            counts = [(name, getattr(defaults, name)) for name in INTEGER_DEFAULTS]
+            counts += [("eos_token_id", i) for i in (ids if isinstance(ids, list) else [ids])]
+            for name, value in counts:
                 if value is not None and not is_int64(value):
                     raise ValueError(f"{name} must be a 64-bit integer, was {value!r}")
             # The routes' own check, which a request leaving them unset would meet.
