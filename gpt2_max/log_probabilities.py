@@ -11,6 +11,15 @@ compiles (`benchmarks/bench_start.py`, phase "after"). The pipeline model owns a
 `compute_log_probabilities` through it: the same graph at MAX's heap depth, compiled
 by the first request that asks.
 
+One rule holds whatever the server's flags: a sampled token's entries are those of
+the distribution it was drawn from, after the penalties and the `min_tokens` mask MAX's
+sampler applies to the last rows' logits in place (MAX's semantics, where vLLM reports
+the model's own); a prompt's, under echo, are the model's own. MAX's ragged computation
+reads every row from the every-position logits when the model returns them
+(`--enable-echo`), unedited, so on such a server a request's answer was scored by the
+model's distribution and the same request elsewhere by the sampled one. Here the sampled
+tokens are always scored from the last rows, and echo's prompt from every position.
+
 A prompt that chunked prefill splits (`--max-batch-input-tokens`, or a batch's other
 prompts taking the step's room) is scored chunk by chunk. MAX's context keeps no
 log-probabilities from a step that ends inside the prompt, and its graph scores that
@@ -102,28 +111,38 @@ class LogProbabilities:
             ))
         inside = [echo and context is not None and context.tokens.actively_chunked
                   for echo, context in zip(batch_echo, contexts, strict=True)]
-        scored = next_tokens.to_numpy()
-        if any(inside):
-            scored = scored.copy()
-            for row, context in enumerate(contexts):
-                if inside[row]:  # the prompt's token after this chunk
-                    scored[row] = context.tokens.all[context.tokens.current_position]
-        results = compute_log_probabilities_ragged(
-            self._device,
-            self._graph,
-            input_row_offsets=ragged.input_row_offsets.to_numpy(),
-            logits=outputs.logits if all_logits else None,
-            next_token_logits=outputs.next_token_logits,
-            tokens=ragged.tokens.to_numpy(),
-            sampled_tokens=scored,
-            batch_top_n=batch_top_n,
+        offsets, tokens = ragged.input_row_offsets.to_numpy(), ragged.tokens.to_numpy()
+        # Each row's sampled token from the logits it was drawn from: the sampler's
+        # penalties and `min_tokens` mask edit them in place, as a server without echo
+        # reports them. The every-position logits of echo are the model's own.
+        drawn = compute_log_probabilities_ragged(
+            self._device, self._graph, input_row_offsets=offsets, logits=None,
+            next_token_logits=outputs.next_token_logits, tokens=tokens,
+            sampled_tokens=next_tokens.to_numpy(),
+            batch_top_n=[0 if chunk else top_n
+                         for chunk, top_n in zip(inside, batch_top_n, strict=True)],
+            batch_echo=[False] * len(batch_echo),
+        )
+        if not any(batch_echo):
+            return drawn
+        scored = next_tokens.to_numpy().copy()
+        for row, context in enumerate(contexts):
+            if inside[row]:  # the prompt's token after this chunk
+                scored[row] = context.tokens.all[context.tokens.current_position]
+        echoed = compute_log_probabilities_ragged(
+            self._device, self._graph, input_row_offsets=offsets, logits=outputs.logits,
+            next_token_logits=outputs.next_token_logits, tokens=tokens, sampled_tokens=scored,
+            batch_top_n=[top_n if echo else 0
+                         for echo, top_n in zip(batch_echo, batch_top_n, strict=True)],
             batch_echo=batch_echo,
         )
-        return [
-            self._whole_prompt(context, result, inside[row]) if batch_echo[row] and context
-            else result
-            for row, (context, result) in enumerate(zip(contexts, results, strict=True))
-        ]
+        answers = []
+        for row, context in enumerate(contexts):
+            answer = _answer_drawn(echoed[row], drawn[row]) if batch_echo[row] else drawn[row]
+            if batch_echo[row] and context is not None:
+                answer = self._whole_prompt(context, answer, inside[row])
+            answers.append(answer)
+        return answers
 
     def _whole_prompt(
         self, context: Any, result: TokenLogProbabilities | None, inside: bool
@@ -162,3 +181,16 @@ class LogProbabilities:
         preemption)."""
         prompt = None if context is None else self._prompts.get(context.request_id)
         return prompt is not None and prompt.context() is context and prompt.answered
+
+
+def _answer_drawn(
+    echoed: TokenLogProbabilities | None, drawn: TokenLogProbabilities | None
+) -> TokenLogProbabilities | None:
+    """`echoed`, a prompt's entries and its sampled token's, that token's entry taken
+    from `drawn` (None inside the prompt, where the row's last entry is the prompt's)."""
+    if echoed is None or drawn is None:
+        return echoed
+    return TokenLogProbabilities(**{
+        name: getattr(echoed, name)[:-1] + getattr(drawn, name)
+        for name in TokenLogProbabilities.__struct_fields__
+    })

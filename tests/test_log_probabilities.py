@@ -191,3 +191,34 @@ def test_echo_without_logprobs_needs_no_scores() -> None:
         ReturnLogits.LAST_TOKEN,
     )
     assert rows[0] is None and len(rows[1].token_log_probabilities) == 1
+
+
+def test_sampled_tokens_are_scored_from_the_logits_they_were_drawn_from() -> None:
+    """With every position's logits (`--enable-echo`), MAX scored each row's sampled
+    token from them, the model's own, while the sampler draws it from the last rows
+    its penalties and `min_tokens` mask edit in place: a row's answer is scored from
+    those, with echo or without, as on a server without every position's logits."""
+    prompt = [5, 6, 7]
+    context = TextContext(max_length=64, tokens=TokenBuffer(np.array(prompt)))
+    rng = np.random.default_rng(4)
+    every = rng.normal(0, 3, (5, VOCAB)).astype(np.float32)  # rows 3 and 2 tokens
+    edited = rng.normal(0, 3, (2, VOCAB)).astype(np.float32)  # the sampler's last rows
+    inputs = SimpleNamespace(
+        tokens=Buffer.from_numpy(np.array(prompt + [8, 9], dtype=np.int64)),
+        input_row_offsets=Buffer.from_numpy(np.array([0, 3, 5], dtype=np.uint32)),
+        contexts=[context, None],
+    )
+    outputs = ModelOutputs(logits=Buffer.from_numpy(every),
+                           next_token_logits=Buffer.from_numpy(edited))
+    echoed, plain = LogProbabilities(CPU()).compute(
+        InferenceSession(devices=[CPU()]), inputs, outputs,
+        Buffer.from_numpy(np.array([11, 40], dtype=np.int64)), [2, 2], [True, False],
+        ReturnLogits.ALL,
+    )
+    assert echoed.token_log_probabilities == pytest.approx(
+        [log_softmax(every[0])[6], log_softmax(every[1])[7], log_softmax(edited[0])[11]],
+        abs=1e-5)
+    assert plain.token_log_probabilities == pytest.approx([log_softmax(edited[1])[40]],
+                                                          abs=1e-5)
+    top = plain.top_log_probabilities[0]
+    assert set(top) >= set(np.argsort(edited[1])[-2:].tolist())

@@ -115,6 +115,31 @@ def test_streaming_delivers_the_greedy_tokens_in_pieces(server, hf_models):
     assert sum(pieces, []) == hf_greedy(hf_models("default"), prompt, 12)[0]
 
 
+def test_an_answer_after_a_prompt_ending_inside_a_character_is_its_own_text(
+    server, hf_models, checkpoints
+):
+    """A prompt of token ids may end inside a character ("Hello" and an emoji's first
+    bytes): MAX's detokenizer, primed with it, wrote the prompt's text into the answer,
+    a stop string matched there and cut the answer, and echo sent the prompt twice
+    (`shims.answer_text`)."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints("default", "hub"))
+    prompt = [15496, 30325]
+    assert tokenizer.decode(prompt) == "Hello \ufffd"
+    expected = hf_greedy(hf_models("default"), prompt, 6)[0]
+    answer = tokenizer.decode(expected).rstrip("\ufffd")  # a last unfinished one is held
+    api = client(server)
+    for stop in (None, ["Hello"]):
+        whole = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6,
+                                       stop=stop, **GREEDY).choices[0]
+        assert (token_ids(whole), whole.text, whole.finish_reason) == (expected, answer, "length")
+    stream = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6,
+                                    stream=True, **GREEDY)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == answer
+    echoed = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, echo=True,
+                                    **GREEDY).choices[0]
+    assert echoed.text == "Hello \ufffd" + answer
+
+
 def test_logprobs_match_transformers(gpt2_max_server):
     prompt = random_prompt(30, seed=3)
     response = gpt2_max_server.client.completions.create(
@@ -576,41 +601,52 @@ def echo_server(checkpoints, tmp_path_factory):
 
 
 def hf_greedy_penalized(model, prompt: list[int], new_tokens: int, repetition: float,
-                        presence: float) -> list[int]:
-    """transformers' greedy decode with MAX's penalties: repetition on every token seen
-    (prompt and answer) divides a positive logit and multiplies a negative one; presence
-    is taken off each token the answer holds."""
+                        presence: float) -> tuple[list[int], list[float]]:
+    """transformers' greedy decode with MAX's penalties, and each token's
+    log-probability in the distribution it was drawn from: repetition on every token
+    seen (prompt and answer) divides a positive logit and multiplies a negative one;
+    presence is taken off each token the answer holds."""
     tokens: list[int] = []
+    logprobs: list[float] = []
     with torch.no_grad():
         for _ in range(new_tokens):
             logits = model(torch.tensor([prompt + tokens])).logits[0, -1, :sampleable(model)]
-            logits = logits.numpy().copy()
+            logits = logits.double().numpy().copy()
             seen = np.unique(prompt + tokens)
             logits[seen] = np.where(logits[seen] > 0, logits[seen] / repetition,
                                     logits[seen] * repetition)
             logits[np.unique(tokens).astype(int)] -= presence
             tokens.append(int(logits.argmax()))
-    return tokens
+            shifted = logits - logits.max()
+            logprobs.append(float(shifted[tokens[-1]] - np.log(np.exp(shifted).sum())))
+    return tokens, logprobs
 
 
 def test_penalties_are_applied_beside_echo(echo_server, hf_models):
     """MAX 26.7's model worker could not start with `--enable-echo --enable-penalties`
-    (`shims.echo_penalties`); now a request's penalties choose its tokens, and its
-    prompt's log-probabilities are the model's."""
+    (`shims.echo_penalties`); now a request's penalties choose its tokens. Its prompt's
+    log-probabilities are the model's, its answer's those of the distribution sampled,
+    with echo or without, as on a server without `--enable-echo` (they were the model's
+    own here)."""
     model = hf_models("default")
     prompt = random_prompt(40, seed=23)
-    want = hf_greedy_penalized(model, prompt, 16, repetition=1.8, presence=1.5)
+    want, drawn = hf_greedy_penalized(model, prompt, 16, repetition=1.8, presence=1.5)
     assert want != hf_greedy(model, prompt, 16)[0]  # the penalties decide
-    response = client(echo_server).completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=16, echo=True, logprobs=1,
-        presence_penalty=1.5, temperature=0.0,
-        extra_body={**GREEDY["extra_body"], "repetition_penalty": 1.8},
-    )
-    assert token_ids(response.choices[0]) == want
-    reported = response.choices[0].logprobs.token_logprobs
-    assert len(reported) == len(prompt) + len(want) and reported[0] is None
-    np.testing.assert_allclose(reported[1 : len(prompt)], hf_prompt_logprobs(model, prompt),
-                               atol=LOGPROBS_ATOL, rtol=0)
+    for echo in (True, False):
+        response = client(echo_server).completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=16, echo=echo, logprobs=1,
+            presence_penalty=1.5, temperature=0.0,
+            extra_body={**GREEDY["extra_body"], "repetition_penalty": 1.8},
+        )
+        assert token_ids(response.choices[0]) == want
+        reported = response.choices[0].logprobs.token_logprobs
+        if echo:
+            assert len(reported) == len(prompt) + len(want) and reported[0] is None
+            np.testing.assert_allclose(reported[1 : len(prompt)],
+                                       hf_prompt_logprobs(model, prompt),
+                                       atol=LOGPROBS_ATOL, rtol=0)
+            reported = reported[len(prompt):]
+        np.testing.assert_allclose(reported, drawn, atol=LOGPROBS_ATOL, rtol=0)
 
 
 def test_echo_counts_every_prompt_token_when_the_prefix_cache_holds_them(
