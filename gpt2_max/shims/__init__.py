@@ -40,6 +40,9 @@ and why, so nothing else in the package imports a private MAX name:
   header and refuses the checkpoint without naming the file; a folder saved in
   float16 or bfloat16, in which MAX finds no weights for a float32 graph, given
   its files by name.
+- `answer_text`: an answer's text its own tokens' under `max serve`, which MAX
+  wrote after the prompt's whole text where a prompt of token ids ends inside a
+  character.
 - `stop_strings`: exact `stop` strings under `max serve`, a patch of MAX's
   serving pipeline on the releases that cut stop strings wrongly.
 - `structured_output`: `--enable-structured-output` on the CPU for this
@@ -86,6 +89,7 @@ from pathlib import Path
 
 from ..names import PACKAGE
 from . import (
+    answer_text,
     decisions,
     echo_answers,
     echo_penalties,
@@ -104,6 +108,7 @@ logger = logging.getLogger("max.pipelines")
 
 CARRIED = (
     "exact stop strings (MAX's own matching applies)",
+    "an answer's text alone after a prompt of token ids that ends inside a character",
     "structured output on the CPU",
     "400 naming the cause for an empty completions prompt, a dropped field, an integer "
     "past int64, a number not finite, a tool call no parser forces, a sampling value out "
@@ -156,6 +161,7 @@ def install(
     echo_penalties.install()
     weight_files.install(tokenizer_type, check_weight_files, half_precision)
     stop_strings.install(tokenizer_type)
+    answer_text.install(tokenizer_type)
     structured_output.install(tokenizer_type)
     shared_sampler.install()
     waiting_requests.install()
