@@ -86,9 +86,11 @@ class RowSampling:
                 p = softmax(logits[offset], self.temperature)
                 q = proposals[offset]
                 assert q is not None
-                if draw(self.key + offset, KEEP) * q[token] >= p[token]:
+                # A draft whose logits are not finite has no distribution (`q` NaN):
+                # its token is refused and the model draws its own from `p`.
+                if not draw(self.key + offset, KEEP) * q[token] < p[token]:
                     residual = np.maximum(p - q, 0.0)
-                    if residual.sum() <= 0.0:  # p == q to rounding: any draw from p will do
+                    if not residual.sum() > 0.0:  # p == q to rounding, or q NaN: draw from p
                         residual = p
                     return [*kept, pick(residual, draw(self.key + offset, NEXT))]
             kept.append(token)

@@ -89,3 +89,17 @@ def test_a_seed_repeats_its_tokens_and_another_seed_differs() -> None:
     assert generate(row, 0, 40, 4)[0] == tokens
     other = RowSampling(greedy=False, temperature=1.0, key=78_000)
     assert generate(other, 0, 40, 4)[0] != tokens
+
+
+def test_a_draft_without_a_distribution_has_its_tokens_refused() -> None:
+    """A draft whose logits are not finite (finite weights can overflow) gives `q` of
+    NaN, which the acceptance test compared as a keep: every drafted token was kept,
+    the last id each time. Its first token is refused and the next drawn from `p`."""
+    row = RowSampling(greedy=False, temperature=1.0, key=5)
+    draft = np.full(VOCAB, np.nan)
+    token, q = row.propose(draft, 0)
+    logits = np.stack([MODEL[0], MODEL[token], MODEL[token]])
+    for key in range(200):
+        keyed = RowSampling(greedy=False, temperature=1.0, key=key)
+        own = keyed.accept(logits[:1], [], [])  # the model's own draw
+        assert keyed.accept(logits, [token, token], [q, q]) == own
