@@ -16,12 +16,13 @@ each, and those are what a lone request waits on; where that is level too, MAX's
 keeps the type. The result is kept in MAX's cache, keyed by the CPU, MAX's version
 and the kernels' sources; later starts, and the other processes of a server, read it.
 
-One kernel serves every row count of a weight, so a request's rows come out the same
-whatever they are batched with. A weight that only ever multiplies a few rows takes
-the kernel with the faster decode step of the same measurement (`Choice.kernel_for`,
-"decode"): a speculative draft's (`speculate/draft.py`), which multiplies one row a
-step, and the LM head of a model returning last-token logits, which multiplies each
-sequence's last rows alone, at a prefill as at a decode step (`WeightPlan.work_of`).
+One kernel serves every row count of a weight, so a row's product does not depend on
+the rows beside it (the attention's key shares still do: `docs/gguf.md`). A weight
+that only ever multiplies a few rows takes the kernel with the faster decode step of
+the same measurement (`Choice.kernel_for`, "decode"): a speculative draft's
+(`speculate/draft.py`), which multiplies one row a step, and the LM head of a model
+returning last-token logits, which multiplies each sequence's last rows alone, at a
+prefill as at a decode step (`WeightPlan.work_of`).
 A block whose projections are all packed runs as one op on the package's kernel
 (`layers.fast.FusedBlock`, "block") unless MAX's is faster by `MARGIN` at the block's
 work (`Choice.one_op`: a served model's request, a draft's decode step). Inside the
