@@ -56,12 +56,13 @@ fi
 mef=$(python3 -c 'from gpt2_max.max_cache import max_cache_dir; print(max_cache_dir())')
 [ -n "$mef" ] || { echo "preflight failed: MAX's cache folder not found"; exit 1; }
 mef=$mef/.max_cache/mof/mef
+graphs() { ls "$mef"/*/* 2>/dev/null | sort; }  # the compiled graphs in MAX's cache
 if [ -n "${PRECOMPILED:-}" ]; then
   mkdir -p "$mef" && tar xJf "$PRECOMPILED" -C "$mef" \
-    && echo "precompiled: $(ls "$mef"/*/* | wc -l) graphs in MAX's cache from $PRECOMPILED" >>"$out/machine.txt"
+    && echo "precompiled: $(graphs | wc -l) graphs in MAX's cache from $PRECOMPILED" >>"$out/machine.txt"
 fi
-compiled_here() { ls "$mef"/*/* 2>/dev/null | sort | comm -13 "$out/mef-before.txt" - >"$out/mef-compiled-here.txt"; }
-ls "$mef"/*/* 2>/dev/null | sort >"$out/mef-before.txt"
+compiled_here() { graphs | comm -13 "$out/mef-before.txt" - >"$out/mef-compiled-here.txt"; }
+graphs >"$out/mef-before.txt"
 
 "${bench[@]}" "${bench_args[@]}" --new-tokens 2 --repeat 1 --peers "" --no-serve >"$out/warm.log" 2>&1 &
 warm=$!

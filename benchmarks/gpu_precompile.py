@@ -39,7 +39,6 @@ from gpt2_max.names import PACKAGE
 from gpt2_max.testing.reference import (
     TINY_HEAD64,
     load_reference,
-    random_state_dict,
     save_gguf,
     saved_in,
     write_tiny_checkpoint,
@@ -49,7 +48,7 @@ from gpt2_max.tools.checkpoint import (
     PRESETS,
     gguf_file_name,
     preset_config,
-    save_hub_checkpoint,
+    write_checkpoint,
 )
 from tests.gpu.parity import GPU_STD, IN_PROCESS
 from tests.gpu.test_serve import SERVE_ARGS
@@ -63,10 +62,7 @@ MEF_VERSION_DIR = Path(".max_cache/mof/mef")
 
 
 def _preset(name: str) -> Callable[[Path], Path]:
-    def write(folder: Path) -> Path:
-        config = preset_config(name)
-        return save_hub_checkpoint(folder, config, random_state_dict(config, std=GPU_STD))
-    return write
+    return lambda folder: write_checkpoint(folder, preset_config(name), std=GPU_STD)
 
 
 def _tiny(folder: Path) -> Path:

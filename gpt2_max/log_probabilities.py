@@ -112,20 +112,21 @@ class LogProbabilities:
         inside = [echo and context is not None and context.tokens.actively_chunked
                   for echo, context in zip(batch_echo, contexts, strict=True)]
         offsets, tokens = ragged.input_row_offsets.to_numpy(), ragged.tokens.to_numpy()
+        sampled = next_tokens.to_numpy()
         # Each row's sampled token from the logits it was drawn from: the sampler's
         # penalties and `min_tokens` mask edit them in place, as a server without echo
         # reports them. The every-position logits of echo are the model's own.
         drawn = compute_log_probabilities_ragged(
             self._device, self._graph, input_row_offsets=offsets, logits=None,
             next_token_logits=outputs.next_token_logits, tokens=tokens,
-            sampled_tokens=next_tokens.to_numpy(),
+            sampled_tokens=sampled,
             batch_top_n=[0 if chunk else top_n
                          for chunk, top_n in zip(inside, batch_top_n, strict=True)],
             batch_echo=[False] * len(batch_echo),
         )
         if not any(batch_echo):
             return drawn
-        scored = next_tokens.to_numpy().copy()
+        scored = sampled.copy()
         for row, context in enumerate(contexts):
             if inside[row]:  # the prompt's token after this chunk
                 scored[row] = context.tokens.all[context.tokens.current_position]
@@ -151,15 +152,12 @@ class LogProbabilities:
         while the step ends `inside` the prompt, else the prompt is answered."""
         prompt = self._prompt(context)
         earlier, prompt.scored = prompt.scored, None
-        if result is not None and earlier is not None:  # each field a list, a token an item
+        if result is not None and earlier is not None:
             # This step scores from `processed_length` + 1 on: less than the earlier
             # chunks reached where the prompt is prefilled again (from the start, or
             # after the pages the prefix cache kept).
             kept = context.tokens.processed_length
-            result = TokenLogProbabilities(**{
-                name: getattr(earlier, name)[:kept] + getattr(result, name)
-                for name in TokenLogProbabilities.__struct_fields__
-            })
+            result = _joined(earlier, kept, result)
         if inside:
             prompt.scored = result
         else:
@@ -190,7 +188,15 @@ def _answer_drawn(
     from `drawn` (None inside the prompt, where the row's last entry is the prompt's)."""
     if echoed is None or drawn is None:
         return echoed
+    return _joined(echoed, -1, drawn)
+
+
+def _joined(
+    head: TokenLogProbabilities, end: int, tail: TokenLogProbabilities
+) -> TokenLogProbabilities:
+    """`head`'s entries before `end`, then `tail`'s (each field a list, a token an
+    item)."""
     return TokenLogProbabilities(**{
-        name: getattr(echoed, name)[:-1] + getattr(drawn, name)
+        name: getattr(head, name)[:end] + getattr(tail, name)
         for name in TokenLogProbabilities.__struct_fields__
     })

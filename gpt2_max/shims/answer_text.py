@@ -20,6 +20,7 @@ names (`shims.install`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ installed the patch)."""
 def answer_alone(create: Callable[..., Any]) -> Callable[..., Any]:
     """`create` (MAX's `create_buffered_detokenizer`), unprimed for gpt2-max's tokenizers."""
 
+    @functools.wraps(create)
     def create_buffered_detokenizer(tokenizer: Any, prompt_token_ids: Any,
                                     *args: Any, **kwargs: Any) -> Any:
         if isinstance(tokenizer, tuple(_TOKENIZER_TYPES)):
@@ -40,7 +42,6 @@ def answer_alone(create: Callable[..., Any]) -> Callable[..., Any]:
         return create(tokenizer, prompt_token_ids, *args, **kwargs)
 
     create_buffered_detokenizer.answer_alone = True  # type: ignore[attr-defined]
-    create_buffered_detokenizer.__wrapped__ = create  # type: ignore[attr-defined]
     return create_buffered_detokenizer
 
 

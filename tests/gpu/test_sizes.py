@@ -16,9 +16,9 @@ import pytest
 from openai import OpenAI
 from transformers import GPT2LMHeadModel
 
-from gpt2_max.testing.reference import load_reference, random_prompt, random_state_dict
+from gpt2_max.testing.reference import load_reference, random_prompt
 from gpt2_max.testing.server import max_serve
-from gpt2_max.tools.checkpoint import PRESETS, preset_config, save_hub_checkpoint
+from gpt2_max.tools.checkpoint import PRESETS, preset_config, write_checkpoint
 
 from .parity import BFLOAT16_MARGIN, GPU_STD, assert_clear_tokens_match, complete, token_ids
 
@@ -39,11 +39,8 @@ SIZES = tuple(PRESETS)
 @pytest.fixture(scope="module", params=SIZES)
 def sized(request, tmp_path_factory) -> tuple[str, Path, GPT2LMHeadModel]:
     """A random checkpoint of one size at the tier's spread, and transformers' reading."""
-    config = preset_config(request.param)
-    folder = save_hub_checkpoint(
-        tmp_path_factory.mktemp(request.param), config,
-        random_state_dict(config, seed=5, std=GPU_STD),
-    )
+    folder = write_checkpoint(tmp_path_factory.mktemp(request.param),
+                              preset_config(request.param), seed=5, std=GPU_STD)
     return request.param, folder, load_reference(folder)
 
 
