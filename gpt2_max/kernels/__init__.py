@@ -64,15 +64,18 @@ GROUP = 16
 
 FIELDS = {
     "q4_0": ((0, 2, 2), (2, 18, 4)),
+    "q5_0": ((0, 2, 2), (2, 6, 4), (6, 22, 4)),
+    "q5_1": ((0, 2, 2), (2, 4, 2), (4, 8, 4), (8, 24, 4)),
+    "q8_0": ((0, 2, 2), (2, 34, 4)),
     "q4_k": ((0, 4, 2), (4, 16, 1), (16, 144, 4)),
     "q5_k": ((0, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
     "q6_k": ((0, 2, 2), (2, 18, 1), (18, 210, 4)),
 }
 """Per grouped block type, its block's fields as `interleave` lays them out: (first byte,
 end, unit), each field's units in order, each unit the `GROUP` rows' in turn (float16
-scales in units of 2 bytes, 6- and 8-bit scales of 1, quants and Q5_K's high bits of
-4: one row's 4 bytes a 32-bit lane of a dot product). Q6_K's fields are those of
-`_q6_k_lanes`' block."""
+scales in units of 2 bytes, 6- and 8-bit scales of 1, quants and high bits of 4: one
+row's 4 bytes a 32-bit lane of a dot product). Q6_K's fields are those of
+`_q6_k_lanes`' block, Q5_0's and Q5_1's high bits those of `_q5_lanes`."""
 INTERLEAVED = frozenset(FIELDS)
 """The block types whose layout `interleave` changes."""
 
@@ -92,6 +95,8 @@ def interleave(encoding: str, blocks: np.ndarray) -> np.ndarray:
     grouped = blocks[: groups * GROUP].reshape(groups, GROUP, nb, size)
     if encoding == "q6_k":
         grouped = _q6_k_lanes(grouped)
+    elif encoding in ("q5_0", "q5_1"):
+        grouped = _q5_lanes(grouped, FIELDS[encoding][-2][0])
     parts = [
         grouped[..., a:b].reshape(groups, GROUP, nb, (b - a) // unit, unit)
         .transpose(0, 2, 3, 1, 4).reshape(groups, nb, (b - a) * GROUP)
@@ -125,6 +130,18 @@ def _q6_k_lanes(blocks: np.ndarray) -> np.ndarray:
         blocks[..., 208:210], blocks[..., 192:208],
         lanes.reshape(*blocks.shape[:-1], 192).astype(np.uint8),
     ], axis=-1)
+
+
+def _q5_lanes(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0 or Q5_1 blocks with the 4 bytes of high bits at `at` (bit l of the
+    little-endian word: weight l's bit 4) regrouped so that bit c of byte i is weight 4c
+    + i's: the bits of a column of 4 weights (`mojo/kquant.mojo`'s `_b32x16_col`) sit
+    at one bit position of the 4 bytes, one shift from bit 4."""
+    bits = np.unpackbits(blocks[..., at : at + 4], axis=-1, bitorder="little")
+    columns = bits.reshape(*bits.shape[:-1], 8, 4).swapaxes(-1, -2)  # [..., i, c]
+    out = blocks.copy()
+    out[..., at : at + 4] = np.packbits(columns, axis=-1, bitorder="little")[..., 0]
+    return out
 
 
 def packed_linear(encoding: str, x: Any, w: Any, b: Any, *, dot: str = "auto") -> Tensor:

@@ -1,9 +1,9 @@
 """Packed-weight matmul: y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ b[N]).
 
 `W` is a GGUF tensor: row `n` is the `K / QK` blocks of output feature `n`, `BYTES`
-bytes each, in ggml's block layout, except that Q4_0's and the K-quants' rows are
-regrouped at load sixteen to a group, one row a 32-bit vector lane, in the same bytes
-(`kernels.interleave`; the rows past the last whole group stay as the file has them).
+bytes each, in ggml's block layout, except that the rows are regrouped at load sixteen
+to a group, one row a 32-bit vector lane, in the same bytes (`kernels.interleave`; the
+rows past the last whole group stay as the file has them).
 `x`, `b` and `y` are float32.
 
 At a few rows a step costs the bytes of `W`, so its rows are streamed once, in chunks
@@ -30,9 +30,10 @@ products on the CPUs without AVX-512, Zen 2 and 3 among them):
   (`tests/gguf/test_adapter.py`) one term costs greedy agreement with the float model,
   which the second gives back.
 - Q4_0: int8 against x rounded once per block of 32 (`_X8S`), as llama.cpp's Q8_0
-  activations, sixteen weight rows at a time (`_tile_q4_0x16`).
-- Q5_0, Q5_1 and Q8_0: int8x2 against x rounded so and its remainder again, a row at
-  a time (`_tile_vnni32`).
+  activations, sixteen weight rows at a time (`_tile_b32x16`).
+- Q5_0, Q5_1 and Q8_0: int8x2 against x rounded so and its remainder again, sixteen
+  rows at a time too; the rows past the last group of sixteen a row at a time
+  (`_tile_vnni32`).
 Every type has a float32 path, every weight widened in registers (`_tile`, and the
 grouped tiles with `terms` 0), for a CPU without AVX2.
 
@@ -111,22 +112,6 @@ def packed_row_bytes[fmt: Int](K: Int) raises -> Int:
             " values, not ", K,
         )
     return K // block_elems[fmt]() * block_bytes[fmt]()
-
-
-def _share_rows[Row: def(Int, Int, Int) -> None](
-    row: Row, y: F32Ptr, M: Int, N: Int, team: Team, epi: Epilogue
-) raises:
-    """`row(m_begin, m_end, n)` for every weight row `n` and every pass of up to `MC`
-    input rows, shared out (`share.share_passes`) in chunks of `CHUNK_ROWS` rows, each
-    chunk's outputs in `y` then finished by `epi`."""
-
-    def chunk(m_begin: Int, m_end: Int, c: Int) {imm row, imm y, imm N, imm epi}:
-        var n1 = min((c + 1) * CHUNK_ROWS, N)
-        for n in range(c * CHUNK_ROWS, n1):
-            row(m_begin, m_end, n)
-        epi.apply(y, N, m_begin, m_end, c * CHUNK_ROWS, n1)
-
-    share_passes(chunk, M, ceildiv(N, CHUNK_ROWS), team)
 
 
 @always_inline
@@ -525,6 +510,20 @@ def _unsigned32[fmt: Int](blk: U8Ptr) -> SIMD[DType.uint8, 32]:
 
 
 @always_inline
+def _sign_avx2(x: XV, w: XV) -> XV:
+    """x negated where w is negative and zeroed where it is 0 (vpsignb on each half): x
+    multiplied by w's sign, for |w| x in `_dot_u8`."""
+    comptime B = SIMD[DType.int8, 32]
+    var lo = llvm_intrinsic["llvm.x86.avx2.psign.b", B](
+        x.slice[32, offset=0](), w.slice[32, offset=0]()
+    )
+    var hi = llvm_intrinsic["llvm.x86.avx2.psign.b", B](
+        x.slice[32, offset=32](), w.slice[32, offset=32]()
+    )
+    return lo.join(hi)
+
+
+@always_inline
 def _dot_u8[fmt: Int](acc: IV, u: QV, x: XV) -> IV:
     """acc[l] += u[4l] x[4l] + ... + u[4l+3] x[4l+3] (vpdpbusd: unsigned by signed bytes,
     no saturation). Without VNNI, vpmaddubsw's i16 pairs would saturate on Q8_0's
@@ -533,8 +532,7 @@ def _dot_u8[fmt: Int](acc: IV, u: QV, x: XV) -> IV:
     comptime if not VNNI_DOT:
         comptime if fmt == Q8_0:
             var w = bitcast[DType.int8, 64](u)
-            var sx = w.lt(0).select(-x, x)
-            return acc + _madd_avx2(bitcast[DType.uint8, 64](abs(w)), sx)
+            return acc + _madd_avx2(bitcast[DType.uint8, 64](abs(w)), _sign_avx2(x, w))
         return acc + _madd_avx2(u, x)
     return llvm_intrinsic["llvm.x86.avx512.vpdpbusd.512", IV](acc, u, x)
 
@@ -609,34 +607,25 @@ def _row_vnni32[fmt: Int, terms: Int](
             _tile_vnni32[fmt, terms, rest](xq, w, b, y, K, N, m0, n, has_bias)
 
 
-def _packed_vnni32[fmt: Int, terms: Int](
-    x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
-    M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
-) raises:
-    var xq = _X8S[fmt, terms](x, M, K)
-
-    def row(m_begin: Int, m_end: Int, n: Int) {imm xq, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
-        _row_vnni32[fmt, terms](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
-
-    _share_rows(row, y, M, N, team, epi)
-    xq.free()
-
-
-# ---- Q4_0 sixteen rows at a time (`kernels.interleave` lays the blocks out) -----------
+# ---- The 32-value blocks sixteen rows at a time (`kernels.interleave` lays them out) -
 #
 # One row at a time (`_tile_vnni32`), a decode step spends more instructions on each
 # block's bookkeeping (its scale widened, two blocks joined into a vector, the lanes
-# summed at the end) than on its dot products, and streams Q4_0 at half the float32
-# rate. Here each group of 16 weight rows is read together, one row a lane: block b of
-# group g is the 16 rows' d (32 bytes of float16, widened by one instruction) and then,
-# for j = 0..3, 64 bytes holding each row's quant bytes 4j .. 4j+3 in its lane, whose
-# low nibbles are weights 4j .. 4j+3 and high nibbles 16+4j .. 16+4j+3. Each of the 8
-# vectors of nibbles is multiplied by x's 4 bytes of those weights, broadcast, so one
-# block of all 16 rows takes 8 integer dot products and one float FMA, its offset of 8
-# preloaded in the integer sum (`_X8S.init`, the same for every row). The rows past the
-# last whole group keep the file's layout and take `_tile_vnni32`, so a weight of any
-# row count multiplies; every row count of x takes the same path, so a request's rows
-# come out the same whatever they are batched with.
+# summed at the end) than on its dot products, and streams these types at half the
+# float32 rate. Here each group of 16 weight rows is read together, one row a lane:
+# block b of group g is the 16 rows' d (32 bytes of float16, widened by one
+# instruction), [Q5_1: their m,] [Q5_0 and Q5_1: their high bits, 4 bytes a row,
+# regrouped so that byte i's bit c is weight 4c + i's (`kernels._q5_lanes`),] then
+# their quants, 4 bytes a row in each 64-byte vector: Q4_0's, Q5_0's and Q5_1's 16
+# bytes as four vectors whose low nibbles are weights 4j .. 4j+3 and high nibbles 16+4j
+# .. 16+4j+3, Q8_0's 32 as eight vectors of weights 4j .. 4j+3. So each block of the 16
+# rows is eight columns of 4 weights (`_b32x16_col`), each multiplied by x's 4 bytes of
+# those weights, broadcast: 8 integer dot products and one float FMA per term, the
+# type's offset preloaded in the integer sum (`_X8S.init`, the same for every row),
+# Q5_1's m times the block's sum of x in one more FMA. The rows past the last whole
+# group keep the file's layout and take `_tile_vnni32`, so a weight of any row count
+# multiplies; every row count of x takes the same path, so a request's rows come out
+# the same whatever they are batched with.
 
 comptime GROUP = 16
 """Weight rows read together by the grouped tiles, one a lane."""
@@ -653,12 +642,50 @@ def _halves(p: U8Ptr) -> FV:
 
 
 @always_inline
-def _tile_q4_0x16[terms: Int, mt: Int](
-    xq: _X8S[Q4_0, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
+def _b32_high_bits[fmt: Int]() -> Int:
+    """Where a grouped Q5_0 or Q5_1 block's high bits start: after the rows' d [and m]."""
+    return (2 if fmt == Q5_0 else 4) * GROUP
+
+
+@always_inline
+def _b32_quants[fmt: Int]() -> Int:
+    """Where a grouped 32-value block's quants start (`kernels.FIELDS`)."""
+    comptime if fmt == Q5_0 or fmt == Q5_1:
+        return _b32_high_bits[fmt]() + 4 * GROUP
+    return 2 * GROUP
+
+
+@always_inline
+def _b32x16_col[fmt: Int, c: Int](bp: U8Ptr) -> QV:
+    """Column c of the grouped block at `bp`: weights 4c .. 4c+3 of the 16 rows, one a
+    32-bit lane, as the unsigned bytes `_dot_u8` multiplies (`_offset32`): Q8_0's
+    vector c, or vector c % 4's low (c < 4) or high nibbles, with Q5_x's bit 4 from bit c
+    of each byte of the high bits (shifted in 16-bit lanes: no bit the mask keeps
+    crosses a byte)."""
+    var q = bp + _b32_quants[fmt]()
+    comptime if fmt == Q8_0:
+        var v = (q + 64 * c).unsafe_load[width=64](0)
+        comptime if VNNI_DOT:
+            return v ^ 0x80
+        return v
+    var v = (q + 64 * (c % 4)).unsafe_load[width=64](0)
+    var u = (v & 0xF) if c < 4 else (v >> 4)
+    comptime if fmt == Q5_0 or fmt == Q5_1:
+        var h = bitcast[DType.uint16, 32]((bp + _b32_high_bits[fmt]()).unsafe_load[width=64](0))
+        comptime if c <= 4:
+            u = u | bitcast[DType.uint8, 64]((h << UInt16(4 - c)) & 0x1010)
+        else:
+            u = u | bitcast[DType.uint8, 64]((h >> UInt16(c - 4)) & 0x1010)
+    return u
+
+
+@always_inline
+def _tile_b32x16[fmt: Int, terms: Int, mt: Int](
+    xq: _X8S[fmt, terms], w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
 ):
     """y[m0 : m0+mt, 16g : 16g+16] from group `g` of `kernels.interleave`'s layout."""
-    comptime GB = GROUP * block_bytes[Q4_0]()
+    comptime GB = GROUP * block_bytes[fmt]()
     var nb = K // 32
     var acc = Array[FV, mt * terms](fill=0)
     var grp = w + g * nb * GB
@@ -667,12 +694,9 @@ def _tile_q4_0x16[terms: Int, mt: Int](
         comptime for line in range(0, GB, 64):
             prefetch[PrefetchOptions().for_read().medium_locality()](bp + PREFETCH_BYTES + line)
         var d = _halves(bp)
-        var lo = Array[QV, 4](fill=0)
-        var hi = Array[QV, 4](fill=0)
-        comptime for j in range(4):
-            var q = (bp + 2 * GROUP + 64 * j).unsafe_load[width=64](0)
-            lo[j] = q & 0xF
-            hi[j] = q >> 4
+        var cols = Array[QV, 8](fill=0)
+        comptime for c in range(8):
+            cols[c] = _b32x16_col[fmt, c](bp)
         comptime for i in range(mt):
             var pair = (m0 + i) * xq.pairs + blk // 2
             var half = 8 * (blk % 2)
@@ -684,12 +708,14 @@ def _tile_q4_0x16[terms: Int, mt: Int](
                 # dependent products would leave the block waiting on their latency.
                 var part = Array[IV, 4](fill=0)
                 part[0] = IV(xq.init.unsafe_load(pair * 16 * terms + half + 16 * t))
-                comptime for j in range(4):
-                    var xl = bitcast[DType.int8, 64](IV(xs.unsafe_load(j)))
-                    var xh = bitcast[DType.int8, 64](IV(xs.unsafe_load(4 + j)))
-                    part[j] = _dot_u8[Q4_0](_dot_u8[Q4_0](part[j], lo[j], xl), hi[j], xh)
+                comptime for c in range(8):
+                    var xc = bitcast[DType.int8, 64](IV(xs.unsafe_load(c)))
+                    part[c % 4] = _dot_u8[fmt](part[c % 4], cols[c], xc)
                 var isum = (part[0] + part[1]) + (part[2] + part[3])
                 acc[terms * i + t] = fma(isum.cast[DType.float32](), scale, acc[terms * i + t])
+            comptime if fmt == Q5_1:
+                var xsum = xq.sums.unsafe_load((m0 + i) * nb + blk)
+                acc[terms * i] = fma(_halves(bp + 2 * GROUP), FV(xsum), acc[terms * i])
     comptime for i in range(mt):
         var s = acc[terms * i]
         comptime if terms == 2:
@@ -700,27 +726,33 @@ def _tile_q4_0x16[terms: Int, mt: Int](
 
 
 @always_inline
-def _tile_q4_0x16_f32[mt: Int](
+def _tile_b32x16_f32[fmt: Int, mt: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
 ):
-    """`_tile_q4_0x16` in float32 (a CPU without AVX2, or `dot` float32 named): each
-    nibble of a row's lane widened and multiplied by its x, broadcast."""
-    comptime GB = GROUP * block_bytes[Q4_0]()
+    """`_tile_b32x16` in float32 (a CPU without AVX2, or `dot` float32 named): each
+    weight of a row's lane widened to its value and multiplied by its x, broadcast."""
+    comptime GB = GROUP * block_bytes[fmt]()
+    comptime off = Float32(_offset32[fmt]())
     var nb = K // 32
     var acc = Array[FV, mt](fill=0)
     var grp = w + g * nb * GB
     for blk in range(nb):
         var bp = grp + blk * GB
         var d = _halves(bp)
-        comptime for j in range(4):
-            var q = bitcast[DType.uint32, GROUP]((bp + 2 * GROUP + 64 * j).unsafe_load[width=64](0))
+        var m = _halves(bp + 2 * GROUP) if fmt == Q5_1 else FV(0)
+        comptime for c in range(8):
+            var q = bitcast[DType.uint32, GROUP](_b32x16_col[fmt, c](bp))
             comptime for k in range(4):
-                comptime for h in range(2):
-                    var v = (((q >> UInt32(8 * k + 4 * h)) & 0xF).cast[DType.float32]() - 8) * d
-                    comptime for i in range(mt):
-                        var xv = x.unsafe_load((m0 + i) * K + 32 * blk + 16 * h + 4 * j + k)
-                        acc[i] = fma(v, FV(xv), acc[i])
+                var u: FV
+                comptime if fmt == Q8_0 and not VNNI_DOT:  # signed bytes (`_offset32`)
+                    u = (bitcast[DType.int32, GROUP](q << UInt32(24 - 8 * k)) >> 24).cast[DType.float32]()
+                else:
+                    u = ((q >> UInt32(8 * k)) & 0xFF).cast[DType.float32]()
+                var v = fma(u - off, d, m)
+                comptime for i in range(mt):
+                    var xv = x.unsafe_load((m0 + i) * K + 32 * blk + 4 * c + k)
+                    acc[i] = fma(v, FV(xv), acc[i])
     comptime for i in range(mt):
         var s = acc[i]
         if has_bias:
@@ -729,14 +761,14 @@ def _tile_q4_0x16_f32[mt: Int](
 
 
 @always_inline
-def _group_q4_0x16[terms: Int, mt: Int](
-    xq: _X8S[Q4_0, max(terms, 1)], x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
+def _group_b32x16[fmt: Int, terms: Int, mt: Int](
+    xq: _X8S[fmt, max(terms, 1)], x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, g: Int, has_bias: Bool,
 ):
     comptime if terms == 0:
-        _tile_q4_0x16_f32[mt](x, w, b, y, K, N, m0, g, has_bias)
+        _tile_b32x16_f32[fmt, mt](x, w, b, y, K, N, m0, g, has_bias)
     else:
-        _tile_q4_0x16[max(terms, 1), mt](xq, w, b, y, K, N, m0, g, has_bias)
+        _tile_b32x16[fmt, max(terms, 1), mt](xq, w, b, y, K, N, m0, g, has_bias)
 
 
 def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) -> None](
@@ -765,31 +797,31 @@ def _share_groups[Group: def(Int, Int, Int) -> None, Tail: def(Int, Int, Int) ->
     share_passes(chunk, M, nchunks, team)
 
 
-def _packed_q4_0x16[terms: Int](
+def _packed_b32x16[fmt: Int, terms: Int](
     x: F32Ptr, w: U8Ptr, b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, team: Team, epi: Epilogue,
 ) raises:
-    """Q4_0 in `kernels.interleave`'s layout, with `terms` int8 terms of x, or (0) in
-    float32."""
+    """A 32-value block type in `kernels.interleave`'s layout, with `terms` int8 terms of
+    x, or (0) in float32."""
     comptime T = max(terms, 1)
     comptime QMT = GROUP_MT[T]
     # x rounded for the integer paths; the float32 one reads x as it is.
-    var xq = _X8S[Q4_0, T](x, M if terms else 0, K)
+    var xq = _X8S[fmt, T](x, M if terms else 0, K)
 
     def group(m_begin: Int, m_end: Int, g: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         var m0 = m_begin
         while m0 + QMT <= m_end:
-            _group_q4_0x16[terms, QMT](xq, x, w, b, y, K, N, m0, g, has_bias)
+            _group_b32x16[fmt, terms, QMT](xq, x, w, b, y, K, N, m0, g, has_bias)
             m0 += QMT
         comptime for rest in range(1, QMT):
             if m_end - m0 == rest:
-                _group_q4_0x16[terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
+                _group_b32x16[fmt, terms, rest](xq, x, w, b, y, K, N, m0, g, has_bias)
 
     def tail(m_begin: Int, m_end: Int, n: Int) {imm xq, imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
         comptime if terms == 0:
-            _row[Q4_0](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
+            _row[fmt](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
         else:
-            _row_vnni32[Q4_0, T](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
+            _row_vnni32[fmt, T](xq, w, b, y, K, N, m_begin, m_end, n, has_bias)
 
     _share_groups(group, tail, y, M, N, team, epi)
     xq.free()
@@ -1038,17 +1070,7 @@ def packed_matmul[fmt: Int, dot: Int](
 ) raises:
     comptime path = dot_path[fmt, dot]()
     comptime terms = 2 if path == DOT_INT8X2 else (1 if path == DOT_INT8 else 0)
-    comptime if fmt == Q4_0:
-        _packed_q4_0x16[terms](x, w, b, y, M, K, N, has_bias, team, epi)
-        return
-    elif block_elems[fmt]() == 256:
+    comptime if block_elems[fmt]() == 256:
         _packed_kx16[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
-        return
-    comptime if path == DOT_INT8 or path == DOT_INT8X2:
-        _packed_vnni32[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
-        return
-
-    def row(m_begin: Int, m_end: Int, n: Int) {imm x, imm w, imm b, imm y, imm K, imm N, imm has_bias}:
-        _row[fmt](x, w, b, y, K, N, m_begin, m_end, n, has_bias)
-
-    _share_rows(row, y, M, N, team, epi)
+    else:
+        _packed_b32x16[fmt, terms](x, w, b, y, M, K, N, has_bias, team, epi)
