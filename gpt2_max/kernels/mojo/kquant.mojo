@@ -353,20 +353,34 @@ struct _X8[fmt: Int, terms: Int]:
             var s = q.reduce_add() * d
             comptime if Self.fmt == Q6_K:
                 var at = (16 * r + j) * Self.terms
-                offsets.unsafe_store(at, (q.reduce_add() * -32).cast[DType.int32]())
+                offsets.unsafe_store(at, Self._offset(q))
             comptime if Self.terms == 2:
                 var lo = round((v - q * d) * (inv * 254))
                 (lo8 + o).unsafe_store(0, lo.cast[DType.int8]())
                 s += lo.reduce_add() * (d / 254)
                 comptime if Self.fmt == Q6_K:
                     var at = (16 * r + j) * 2 + 1
-                    offsets.unsafe_store(at, (lo.reduce_add() * -32).cast[DType.int32]())
+                    offsets.unsafe_store(at, Self._offset(lo))
             comptime if SUB == 16:
                 sums.unsafe_store(16 * r + j, s)
             elif j % 2 == 0:
                 pair = s
             else:
                 sums.unsafe_store(8 * r + j // 2, pair + s)
+
+    @staticmethod
+    @always_inline
+    def _offset(q: FV) -> Int32:
+        """-32 times a Q6_K sub-block's 16 integers `q`, where its integer sums start: one
+        int32 for vpdpbusd; without VNNI (`_I16_RUN`) two i16, -32 times the sum of the
+        integers at 4k and 4k+1, then at 4k+2 and 4k+3 (at most 32 * 8 * 127 each), as
+        AVX2's byte products pair them."""
+        comptime if VNNI_DOT:
+            return (q.reduce_add() * -32).cast[DType.int32]()
+        var pairs = q.reduce_add[4]()  # x[4k + i] summed over k, i = 0..3
+        var low = ((pairs[0] + pairs[1]) * -32).cast[DType.int32]()
+        var high = ((pairs[2] + pairs[3]) * -32).cast[DType.int32]()
+        return (low & 0xFFFF) | (high << 16)
 
     def free(self):
         self.q.free()
@@ -393,6 +407,38 @@ def _madd_avx2(u: QV, x: XV) -> IV:
     var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](lo, ones)
     var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](hi, ones)
     return a.join(b)
+
+
+@always_inline
+def _maddubs_avx2(u: QV, x: XV) -> SIMD[DType.int16, 32]:
+    """Lane l: u[2l] x[2l] + u[2l+1] x[2l+1] in i16 (vpmaddubsw on each half; it
+    saturates, so the callers keep each pair within i16)."""
+    comptime H = SIMD[DType.int16, 16]
+    var lo = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
+        u.slice[32, offset=0](), x.slice[32, offset=0]()
+    )
+    var hi = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
+        u.slice[32, offset=32](), x.slice[32, offset=32]()
+    )
+    return lo.join(hi)
+
+
+@always_inline
+def _widen_avx2(s: SIMD[DType.int16, 32]) -> IV:
+    """Lane l: s[2l] + s[2l+1] in i32 (vpmaddwd against ones on each half)."""
+    comptime H = SIMD[DType.int16, 16]
+    comptime I = SIMD[DType.int32, 8]
+    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](s.slice[16, offset=0](), H(1))
+    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](s.slice[16, offset=16](), H(1))
+    return a.join(b)
+
+
+comptime _I16_RUN[fmt: Int] = 8 if fmt == Q4_K else 4
+"""Columns of a K-quant sub-block whose AVX2 byte products one i16 lane sums before they
+are widened: 8 of Q4_K's (quants below 16, times |x| <= 127, two a pair: 8 pairs stay
+under 2^15), 4 of Q5_K's (below 32); Q6_K's 4 of a sub-block start at its offset (-32
+times x's pairs: `_X8`), so the lane ends at (q - 32) x, under 2^15, and its sums on
+the way, which may pass it, wrap back (vpaddw does not saturate)."""
 
 
 # ---- 32-value blocks (Q4_0, Q5_0, Q5_1, Q8_0) through 8-bit integer dot products ----
@@ -946,7 +992,8 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     comptime QOFF = GROUP * (16 if fmt == Q4_K else (48 if fmt == Q5_K else 18))
     # Two sums a row and term where there are few rows, so the dot products do not all
     # wait on one chain.
-    comptime P = 2 if mt * T < 4 else 1
+    comptime I16 = terms > 0 and not VNNI_DOT
+    comptime P = 2 if mt * T < 4 and not I16 else 1
     # Q6_K's offset starts the integer sums (`_X8.offsets`); Q4_K's and Q5_K's mins,
     # and the float32 path's offset, are added per sub-block below.
     comptime OFFSET_INIT = fmt == Q6_K and terms > 0
@@ -967,20 +1014,37 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
                         bp + GROUP_PREFETCH + STRIDE * j + line
                     )
                 var sums = Array[AccV[terms], mt * T * P](fill=0)
+                # AVX2's byte products, summed in 16-bit lanes over a run of columns
+                # (`_I16_RUN`) and widened once a run.
+                var runs = Array[SIMD[DType.int16, 32], mt * T](fill=0)
                 comptime if OFFSET_INIT:
                     comptime for i in range(mt):
                         comptime for t in range(T):
                             var at = (((m0 + i) * nb + blk) * 16 + j) * T + t
-                            sums[(i * T + t) * P] = AccV[terms](
-                                rebind[Scalar[AccV[terms].dtype]](xq.offsets.unsafe_load(at))
-                            )
+                            var start = xq.offsets.unsafe_load(at)
+                            comptime if I16:
+                                runs[i * T + t] = bitcast[DType.int16, 32](IV(start))
+                            else:
+                                sums[(i * T + t) * P] = AccV[terms](
+                                    rebind[Scalar[AccV[terms].dtype]](start)
+                                )
                 comptime for k in range(COLS):
                     var col = _kx16_col[fmt, jj, k](q, j0)
                     comptime for i in range(mt):
                         var o = (m0 + i) * K + 256 * blk + SUB * j + 4 * k
                         comptime for t in range(T):
                             comptime a = (i * T + t) * P + k % P
-                            sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
+                            comptime if I16:
+                                var xi = (xq.q if t == 0 else xq.lo) + o
+                                var xb = bitcast[DType.int8, 64](IV(xi.unsafe_bitcast[Int32]().unsafe_load(0)))
+                                runs[i * T + t] += _maddubs_avx2(col, xb)
+                                comptime if (k + 1) % _I16_RUN[fmt] == 0:
+                                    sums[a] = rebind[AccV[terms]](
+                                        rebind[IV](sums[a]) + _widen_avx2(runs[i * T + t])
+                                    )
+                                    runs[i * T + t] = SIMD[DType.int16, 32](0)
+                            else:
+                                sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
                 var sm = _kx16_scale[fmt](bp, j)
                 comptime for i in range(mt):
                     comptime for t in range(T):
