@@ -21,14 +21,13 @@ import numpy as np
 from max.dtype import DType
 from max.experimental.nn import Module
 from max.experimental.tensor import Tensor
-from max.graph import Shape
 from max.graph.weights import WeightData
 
 from .. import kernels
 from ..encodings import BLOCK_FLAGS, block_geometry
 from ..names import PACKAGE
 from ..weights.hugepages import hugepage_array
-from ..weights.plan import block_type
+from ..weights.plan import block_type, packed_weight
 from . import qmatmul
 from .kernel_choice import choice, uses_max_kernel
 
@@ -101,8 +100,5 @@ def repack(
     for name, (weight, kind, on_max) in bound.items():
         blocks = np.asarray(weight.data)
         result = repacker(kind, blocks) if on_max else kernels.interleave(kind, blocks)
-        repacked[name] = WeightData(
-            hugepage_array(result), name, weight.dtype, Shape(result.shape),
-            weight.quantization_encoding,
-        )
+        repacked[name] = packed_weight(hugepage_array(result), name, kind)
     return repacked

@@ -892,7 +892,10 @@ def _packed_b32x16[fmt: Int, terms: Int](
 # row and sub-block). With `terms` 0 the same sums are
 # taken in float32 over x as it is. No bookkeeping is per row: a row's dot product is
 # a lane, so a decode step spends its instructions on the dot products, where a row at
-# a time spent as many again on each row's sums and scales.
+# a time spent as many again on each row's sums and scales. Without VNNI, AVX2's byte
+# products come in i16 pairs that a second multiply widens to i32; they are summed in
+# the i16 lanes over a run of columns first (`_I16_RUN`), one widening a run where each
+# column took its own.
 
 comptime GROUP_PREFETCH = 4 * PREFETCH_BYTES
 """How far ahead of a K-quant group's block its bytes are requested: a group streams
