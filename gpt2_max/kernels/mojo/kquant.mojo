@@ -391,25 +391,6 @@ struct _X8[fmt: Int, terms: Int]:
 
 
 @always_inline
-def _madd_avx2(u: QV, x: XV) -> IV:
-    """Lane l: the sum over bytes 4l .. 4l+3 of u x, the pairs of products summed into
-    i16 by vpmaddubsw (which saturates: the callers keep u x + u x within i16), then
-    into i32 by vpmaddwd against ones; AVX2's 256-bit instructions on each half."""
-    comptime H = SIMD[DType.int16, 16]
-    comptime I = SIMD[DType.int32, 8]
-    comptime ones = H(1)
-    var lo = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
-        u.slice[32, offset=0](), x.slice[32, offset=0]()
-    )
-    var hi = llvm_intrinsic["llvm.x86.avx2.pmadd.ub.sw", H](
-        u.slice[32, offset=32](), x.slice[32, offset=32]()
-    )
-    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](lo, ones)
-    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](hi, ones)
-    return a.join(b)
-
-
-@always_inline
 def _maddubs_avx2(u: QV, x: XV) -> SIMD[DType.int16, 32]:
     """Lane l: u[2l] x[2l] + u[2l+1] x[2l+1] in i16 (vpmaddubsw on each half; it
     saturates, so the callers keep each pair within i16)."""
@@ -431,6 +412,14 @@ def _widen_avx2(s: SIMD[DType.int16, 32]) -> IV:
     var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](s.slice[16, offset=0](), H(1))
     var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](s.slice[16, offset=16](), H(1))
     return a.join(b)
+
+
+@always_inline
+def _madd_avx2(u: QV, x: XV) -> IV:
+    """Lane l: the sum over bytes 4l .. 4l+3 of u x, the pairs of products summed into
+    i16 by vpmaddubsw (which saturates: the callers keep u x + u x within i16), then
+    into i32 by vpmaddwd against ones."""
+    return _widen_avx2(_maddubs_avx2(u, x))
 
 
 comptime _I16_RUN[fmt: Int] = 8 if fmt == Q4_K else 4
