@@ -110,22 +110,17 @@ def interleave(encoding: str, blocks: np.ndarray) -> np.ndarray:
 def _q6_k_lanes(blocks: np.ndarray) -> np.ndarray:
     """Q6_K blocks (`[..., 210]`: ggml's 128 bytes of low nibbles, 64 of high bit pairs,
     16 int8 scales, float16 d) as d, the scales, then for u = 0..15 three units of 4
-    bytes: L1, L2 and H. Weight 4c + i (c = 0..63, i = 0..3) has its low 4 bits in
-    byte i of L1 (c = u: low nibble; u + 32: high) or L2 (u + 16, u + 48), and its high 2
-    bits in byte i of H, at bit 0 (c = u), 2 (u + 16), 4 (u + 32) or 6 (u + 48): four
-    of its 64-byte vectors for 16 rows come out of three (`_kx16_col`)."""
+    bytes, A, B and C. Weight 4c + i (c = 0..63, i = 0..3) is in byte i: its six bits
+    the low six of A (c = u), B (u + 16) or C (u + 32), or (u + 48) the top two bits of
+    A, B and C in turn. So three of a column's four 64-byte vectors for 16 rows are one
+    AND of a load each, and the fourth takes three (`_kx16_col`)."""
     ql, qh = blocks[..., :128], blocks[..., 128:192]
     h, s, i = np.arange(2)[:, None, None], np.arange(4)[None, :, None], np.arange(32)
     low = (ql[..., 64 * h + 32 * (s % 2) + i] >> (4 * (s // 2))) & 0xF
     high = (qh[..., 32 * h + i] >> (2 * s)) & 3
     q = (low | high << 4).reshape(*blocks.shape[:-1], 4, 16, 4)  # [..., c // 16, u, i]
-    low, high = q & 0xF, q >> 4
-    lanes = np.stack([
-        low[..., 0, :, :] | low[..., 2, :, :] << 4,
-        low[..., 1, :, :] | low[..., 3, :, :] << 4,
-        high[..., 0, :, :] | high[..., 1, :, :] << 2 | high[..., 2, :, :] << 4
-        | high[..., 3, :, :] << 6,
-    ], axis=-2)
+    last = q[..., 3, :, :]
+    lanes = np.stack([q[..., a, :, :] | (last >> 2 * a & 3) << 6 for a in range(3)], axis=-2)
     return np.concatenate([
         blocks[..., 208:210], blocks[..., 192:208],
         lanes.reshape(*blocks.shape[:-1], 192).astype(np.uint8),

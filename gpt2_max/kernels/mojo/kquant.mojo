@@ -405,13 +405,25 @@ def _maddubs_avx2(u: QV, x: XV) -> SIMD[DType.int16, 32]:
 
 
 @always_inline
-def _widen_avx2(s: SIMD[DType.int16, 32]) -> IV:
-    """Lane l: s[2l] + s[2l+1] in i32 (vpmaddwd against ones on each half)."""
-    comptime H = SIMD[DType.int16, 16]
+def _widen_avx2(
+    s: SIMD[DType.int16, 32], by: SIMD[DType.int16, 32] = SIMD[DType.int16, 32](1)
+) -> IV:
+    """Lane l: (s[2l] + s[2l+1]) by[2l] in i32 (vpmaddwd on each half), `by` a lane's
+    factor twice (`_pairs`): ones by default, or a weight row's sub-block scale."""
     comptime I = SIMD[DType.int32, 8]
-    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](s.slice[16, offset=0](), H(1))
-    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](s.slice[16, offset=16](), H(1))
+    var a = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](
+        s.slice[16, offset=0](), by.slice[16, offset=0]()
+    )
+    var b = llvm_intrinsic["llvm.x86.avx2.pmadd.wd", I](
+        s.slice[16, offset=16](), by.slice[16, offset=16]()
+    )
     return a.join(b)
+
+
+@always_inline
+def _pairs(v: SIMD[DType.int16, 16]) -> SIMD[DType.int16, 32]:
+    """Each lane of `v` twice: the factor of a 32-bit lane's two i16 for `_widen_avx2`."""
+    return v.interleave(v)
 
 
 @always_inline
@@ -870,8 +882,8 @@ def _packed_b32x16[fmt: Int, terms: Int](
 # lane,] then their quants 4 bytes a row and lane, so that each 64-byte vector holds 4
 # neighbouring weights of every row (a column, `_kx16_col`): Q4_K's nibbles as the file
 # pairs its sub-blocks, Q5_K's the same with bit 4 from the high bits' vector of those
-# 4 weights, Q6_K's 6-bit quants rebuilt from three vectors per four columns
-# (`kernels._q6_k_lanes`). Per sub-block j and input row,
+# 4 weights, Q6_K's 6-bit quants from three vectors per four columns, one AND a column
+# for three of them (`kernels._q6_k_lanes`). Per sub-block j and input row,
 # its columns go into one integer sum I_j (vpdpbusd against x's 4 int8s there,
 # broadcast), scaled by the rows' integer scales in one float FMA; per block,
 #     y += d dx sum_j sc_j I_j + sum_j c_j s_j
@@ -882,9 +894,11 @@ def _packed_b32x16[fmt: Int, terms: Int](
 # taken in float32 over x as it is. No bookkeeping is per row: a row's dot product is
 # a lane, so a decode step spends its instructions on the dot products, where a row at
 # a time spent as many again on each row's sums and scales. Without VNNI, AVX2's byte
-# products come in i16 pairs that a second multiply widens to i32; they are summed in
-# the i16 lanes over a run of columns first (`_I16_RUN`), one widening a run where each
-# column took its own.
+# products come in i16 pairs that a second multiply (vpmaddwd) widens to i32; they are
+# summed in the i16 lanes over a run of columns first (`_I16_RUN`), and that multiply
+# takes the rows' scale of the sub-block (`_pairs`) rather than ones, so a block's sums
+# stay integers to its end and one conversion there replaces a float FMA per sub-block
+# and row.
 
 comptime GROUP_PREFETCH = 4 * PREFETCH_BYTES
 """How far ahead of a K-quant group's block its bytes are requested: a group streams
@@ -913,23 +927,27 @@ def _mac4[terms: Int](acc: AccV[terms], u: QV, xi: I8Ptr, xf: F32Ptr, o: Int) ->
         return rebind[AccV[terms]](_dot_u8[Q4_K](rebind[IV](acc), u, xb))
 
 
-comptime KX16_STEP[fmt: Int] = 16 if fmt == Q6_K else 2
+comptime KX16_STEP[fmt: Int] = 2 if fmt != Q6_K else (16 if VNNI_DOT else 1)
 """Sub-blocks a grouped tile takes per trip of its loop over a block: Q4_K's (and
 Q5_K's) two of a pair (the loop's body then fits the decoded-instruction cache, where
-its eight sub-blocks unrolled ran 10-20% slower at eight input rows), Q6_K's sixteen
-unrolled (the shifts that rebuild its columns then fixed; per pair they cost more
-than the cache saves)."""
+its eight sub-blocks unrolled ran 10-20% slower at eight input rows); Q6_K's sixteen
+unrolled with VNNI, one a trip on AVX2, whose 16 registers the unrolled block
+overflowed: LLVM hoisted its loads and broadcasts out of the sub-blocks and spilled
+them."""
+comptime Q6_LAST = 12
+"""Q6_K's sub-blocks from this one on hold the block's last quarter of columns, each
+spread over the top bits of three bytes (`kernels._q6_k_lanes`)."""
 
 
 @always_inline
-def _kx16_col[fmt: Int, jj: Int, k: Int](q: U8Ptr, j0: Int) -> QV:
+def _kx16_col[fmt: Int, jj: Int, k: Int, last: Bool](q: U8Ptr, j0: Int) -> QV:
     """Column k of sub-block j = j0 + jj (j0 a multiple of `KX16_STEP`; weights
     `_sub_elems` j + 4k .. +3 of the 16 rows, one a 32-bit lane) from the quants at `q`.
-    Q4_K: vector k of pair j / 2, its low (even j) or high nibbles. Q6_K: column
-    c = 4j + k is c % 16 = u's L1 (c / 16 = 0, 2) or L2 (1, 3), low or high nibble,
-    with bits 2 (c / 16) of u's H above them (shifted in 16-bit lanes: no bit the
-    masks keep crosses a byte). Q5_K: Q4_K's nibble, and bit j of the rows' high bytes
-    4k .. 4k+3 (the 512 bytes before the quants, a unit of 4 a row) as its bit 4."""
+    Q4_K: vector k of pair j / 2, its low (even j) or high nibbles. Q5_K: Q4_K's nibble,
+    and bit j of the rows' high bytes 4k .. 4k+3 (the 512 bytes before the quants, a
+    unit of 4 a row) as its bit 4. Q6_K: column c = 4j + k is c % 16 = u's unit c / 16,
+    its low six bits, or (`last`: j from `Q6_LAST` on) the top two bits of u's three
+    units (shifted in 16-bit lanes: no bit the masks keep crosses a byte)."""
     comptime if fmt == Q4_K or fmt == Q5_K:
         var v = (q + 512 * (j0 // 2 + jj // 2) + 64 * k).unsafe_load[width=64](0)
         comptime if jj % 2 == 0:
@@ -942,18 +960,20 @@ def _kx16_col[fmt: Int, jj: Int, k: Int](q: U8Ptr, j0: Int) -> QV:
         return v
     else:
         var j = j0 + jj
-        var a = j // 4
-        var u = 4 * (j % 4) + k
-        var l = bitcast[DType.uint16, 32]((q + 192 * u + 64 * (a % 2)).unsafe_load[width=64](0))
-        var h = bitcast[DType.uint16, 32]((q + 192 * u + 128).unsafe_load[width=64](0))
-        var low = (l >> UInt16(4 * (a // 2))) & 0x0F0F
-        return bitcast[DType.uint8, 64](low | (((h >> UInt16(2 * a)) << 4) & 0x3030))
+        var p = q + 192 * (4 * (j % 4) + k)
+        comptime if not last:
+            return p.unsafe_load[width=64](64 * (j // 4)) & 0x3F
+        var va = bitcast[DType.uint16, 32](p.unsafe_load[width=64](0))
+        var vb = bitcast[DType.uint16, 32](p.unsafe_load[width=64](64))
+        var vc = bitcast[DType.uint16, 32](p.unsafe_load[width=64](128))
+        var v = ((va >> 6) & 0x0303) | ((vb >> 4) & 0x0C0C) | ((vc >> 2) & 0x3030)
+        return bitcast[DType.uint8, 64](v)
 
 
 @always_inline
-def _kx16_scale[fmt: Int](bp: U8Ptr, j: Int) -> Tuple[FV, FV]:
-    """Sub-block j's (sc_j, m_j) of the 16 rows as float32: Q4_K's and Q5_K's 6-bit scale
-    and min (see `_scale_min_k4`, one row a lane), Q6_K's int8 scale (and no min)."""
+def _kx16_scale[fmt: Int](bp: U8Ptr, j: Int) -> Tuple[SIMD[DType.int16, 16], SIMD[DType.int16, 16]]:
+    """Sub-block j's (sc_j, m_j) of the 16 rows: Q4_K's and Q5_K's 6-bit scale and min
+    (see `_scale_min_k4`, one row a lane), Q6_K's int8 scale (and no min)."""
     comptime if fmt == Q4_K or fmt == Q5_K:
         var p = bp + 4 * GROUP  # byte i of the 12 at p + 16 i, one row a lane
         var a = (p + GROUP * (j % 4)).unsafe_load[width=GROUP](0)
@@ -962,12 +982,12 @@ def _kx16_scale[fmt: Int](bp: U8Ptr, j: Int) -> Tuple[FV, FV]:
         # Sub-blocks 4-7 take their low 4 bits from c and the top 2 from a's and m's.
         var high = j >= 4
         return (
-            (((c & 0xF) | ((a >> 6) << 4)) if high else (a & 63)).cast[DType.float32](),
-            (((c >> 4) | ((m >> 6) << 4)) if high else (m & 63)).cast[DType.float32](),
+            (((c & 0xF) | ((a >> 6) << 4)) if high else (a & 63)).cast[DType.int16](),
+            (((c >> 4) | ((m >> 6) << 4)) if high else (m & 63)).cast[DType.int16](),
         )
     else:
         var sc = (bp + 2 * GROUP + GROUP * j).unsafe_bitcast[Int8]().unsafe_load[width=GROUP](0)
-        return (sc.cast[DType.float32](), FV(0))
+        return (sc.cast[DType.int16](), SIMD[DType.int16, 16](0))
 
 
 @always_inline
@@ -979,7 +999,9 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     comptime T = max(terms, 1)
     comptime GB = GROUP * block_bytes[fmt]()
     comptime SUB = _sub_elems[fmt]()
+    comptime SUBS = 256 // SUB
     comptime COLS = SUB // 4
+    comptime STEP = KX16_STEP[fmt]
     # The rows' d (and dmin) and scales, before the quants (`kernels.FIELDS`).
     comptime QOFF = GROUP * (16 if fmt == Q4_K else (48 if fmt == Q5_K else 18))
     # Two sums a row and term where there are few rows, so the dot products do not all
@@ -989,6 +1011,11 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
     # Q6_K's offset starts the integer sums (`_X8.offsets`); Q4_K's and Q5_K's mins,
     # and the float32 path's offset, are added per sub-block below.
     comptime OFFSET_INIT = fmt == Q6_K and terms > 0
+    # The block's sums kept in integers (`whole`), each run scaled as it is widened.
+    comptime INT = I16 and fmt == Q6_K
+    # Where Q6_K's last quarter starts, taken a sub-block a trip (`Q6_LAST`); unrolled
+    # with the rest of the block, its sub-blocks are told apart by their number.
+    comptime SPLIT = Q6_LAST if fmt == Q6_K and STEP == 1 else SUBS
     var nb = K // 256
     var acc = Array[FV, mt](fill=0)
     var grp = w + g * nb * GB
@@ -997,71 +1024,87 @@ def _tile_kx16[fmt: Int, terms: Int, mt: Int](
         var q = bp + QOFF
         var d = _halves(bp)
         var scaled = Array[FV, mt * T](fill=0)
-        for j0 in range(0, 256 // SUB, KX16_STEP[fmt]):
-            comptime for jj in range(KX16_STEP[fmt]):
-                var j = j0 + jj
-                comptime STRIDE = GB * SUB // 256
-                comptime for line in range(0, STRIDE, 64):
-                    prefetch[PrefetchOptions().for_read().medium_locality()](
-                        bp + GROUP_PREFETCH + STRIDE * j + line
-                    )
-                var sums = Array[AccV[terms], mt * T * P](fill=0)
-                # AVX2's byte products, summed in 16-bit lanes over a run of columns
-                # (`_I16_RUN`) and widened once a run.
-                var runs = Array[SIMD[DType.int16, 32], mt * T](fill=0)
-                comptime if OFFSET_INIT:
-                    comptime for i in range(mt):
-                        comptime for t in range(T):
-                            var at = (((m0 + i) * nb + blk) * 16 + j) * T + t
-                            var start = xq.offsets.unsafe_load(at)
-                            comptime if I16:
-                                runs[i * T + t] = bitcast[DType.int16, 32](IV(start))
+        var whole = Array[IV, mt * T](fill=0)
+        comptime for span in range(2):
+            comptime START = 0 if span == 0 else SPLIT
+            comptime END = SPLIT if span == 0 else SUBS
+            comptime if START < END:
+                for j0 in range(START, END, STEP):
+                    comptime for jj in range(STEP):
+                        comptime LAST = span == 1 or (fmt == Q6_K and jj >= Q6_LAST)
+                        var j = j0 + jj
+                        comptime STRIDE = GB * SUB // 256
+                        comptime for line in range(0, STRIDE, 64):
+                            prefetch[PrefetchOptions().for_read().medium_locality()](
+                                bp + GROUP_PREFETCH + STRIDE * j + line
+                            )
+                        var sums = Array[AccV[terms], mt * T * P](fill=0)
+                        # AVX2's byte products, summed in 16-bit lanes over a run of
+                        # columns (`_I16_RUN`) and widened once a run (by the rows'
+                        # scales with `INT`).
+                        var runs = Array[SIMD[DType.int16, 32], mt * T](fill=0)
+                        var by = SIMD[DType.int16, 32](1)
+                        comptime if INT:
+                            by = _pairs(_kx16_scale[fmt](bp, j)[0])
+                        comptime if OFFSET_INIT:
+                            comptime for i in range(mt):
+                                comptime for t in range(T):
+                                    var at = (((m0 + i) * nb + blk) * 16 + j) * T + t
+                                    var start = xq.offsets.unsafe_load(at)
+                                    comptime if I16:
+                                        runs[i * T + t] = bitcast[DType.int16, 32](IV(start))
+                                    else:
+                                        sums[(i * T + t) * P] = AccV[terms](
+                                            rebind[Scalar[AccV[terms].dtype]](start)
+                                        )
+                        comptime for k in range(COLS):
+                            var col = _kx16_col[fmt, jj, k, LAST](q, j0)
+                            comptime for i in range(mt):
+                                var o = (m0 + i) * K + 256 * blk + SUB * j + 4 * k
+                                comptime for t in range(T):
+                                    comptime a = (i * T + t) * P + k % P
+                                    comptime if I16:
+                                        var xi = (xq.q if t == 0 else xq.lo) + o
+                                        var xb = bitcast[DType.int8, 64](IV(xi.unsafe_bitcast[Int32]().unsafe_load(0)))
+                                        runs[i * T + t] += _maddubs_avx2(col, xb)
+                                        comptime if (k + 1) % _I16_RUN[fmt] == 0:
+                                            comptime if INT:
+                                                whole[i * T + t] += _widen_avx2(runs[i * T + t], by)
+                                            else:
+                                                sums[a] = rebind[AccV[terms]](
+                                                    rebind[IV](sums[a]) + _widen_avx2(runs[i * T + t])
+                                                )
+                                            runs[i * T + t] = SIMD[DType.int16, 32](0)
+                                    else:
+                                        sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
+                        var sm = _kx16_scale[fmt](bp, j)
+                        comptime if not INT:
+                            var sc = sm[0].cast[DType.float32]()
+                            comptime for i in range(mt):
+                                comptime for t in range(T):
+                                    var s = sums[(i * T + t) * P]
+                                    comptime if P == 2:
+                                        s += sums[(i * T + t) * P + 1]
+                                    scaled[i * T + t] = fma(s.cast[DType.float32](), sc, scaled[i * T + t])
+                        comptime if not OFFSET_INIT:
+                            # Each sub-block's sum of x, times its coefficient (see above).
+                            var coeff: FV
+                            comptime if fmt == Q4_K or fmt == Q5_K:
+                                coeff = -_halves(bp + 2 * GROUP) * sm[1].cast[DType.float32]()
                             else:
-                                sums[(i * T + t) * P] = AccV[terms](
-                                    rebind[Scalar[AccV[terms].dtype]](start)
-                                )
-                comptime for k in range(COLS):
-                    var col = _kx16_col[fmt, jj, k](q, j0)
-                    comptime for i in range(mt):
-                        var o = (m0 + i) * K + 256 * blk + SUB * j + 4 * k
-                        comptime for t in range(T):
-                            comptime a = (i * T + t) * P + k % P
-                            comptime if I16:
-                                var xi = (xq.q if t == 0 else xq.lo) + o
-                                var xb = bitcast[DType.int8, 64](IV(xi.unsafe_bitcast[Int32]().unsafe_load(0)))
-                                runs[i * T + t] += _maddubs_avx2(col, xb)
-                                comptime if (k + 1) % _I16_RUN[fmt] == 0:
-                                    sums[a] = rebind[AccV[terms]](
-                                        rebind[IV](sums[a]) + _widen_avx2(runs[i * T + t])
-                                    )
-                                    runs[i * T + t] = SIMD[DType.int16, 32](0)
-                            else:
-                                sums[a] = _mac4[terms](sums[a], col, xq.q if t == 0 else xq.lo, x, o)
-                var sm = _kx16_scale[fmt](bp, j)
-                comptime for i in range(mt):
-                    comptime for t in range(T):
-                        var s = sums[(i * T + t) * P]
-                        comptime if P == 2:
-                            s += sums[(i * T + t) * P + 1]
-                        scaled[i * T + t] = fma(s.cast[DType.float32](), sm[0], scaled[i * T + t])
-                comptime if not OFFSET_INIT:
-                    # Each sub-block's sum of x, times its coefficient (see above).
-                    var coeff: FV
-                    comptime if fmt == Q4_K or fmt == Q5_K:
-                        coeff = -_halves(bp + 2 * GROUP) * sm[1]
-                    else:
-                        coeff = -32 * d * sm[0]
-                    comptime for i in range(mt):
-                        var xs: Float32
-                        comptime if terms == 0:
-                            xs = (x + (m0 + i) * K + 256 * blk + SUB * j).unsafe_load[width=SUB](0).reduce_add()
-                        else:
-                            xs = xq.sums.unsafe_load(((m0 + i) * nb + blk) * (256 // SUB) + j)
-                        acc[i] = fma(coeff, FV(xs), acc[i])
+                                coeff = -32 * d * sm[0].cast[DType.float32]()
+                            comptime for i in range(mt):
+                                var xs: Float32
+                                comptime if terms == 0:
+                                    xs = (x + (m0 + i) * K + 256 * blk + SUB * j).unsafe_load[width=SUB](0).reduce_add()
+                                else:
+                                    xs = xq.sums.unsafe_load(((m0 + i) * nb + blk) * SUBS + j)
+                                acc[i] = fma(coeff, FV(xs), acc[i])
         comptime for i in range(mt):
-            var s = scaled[i * T]
+            var s = whole[i * T].cast[DType.float32]() if INT else scaled[i * T]
             comptime if T == 2:
-                s = fma(scaled[i * T + 1], FV(1.0 / 254), s)
+                var lo = whole[i * T + 1].cast[DType.float32]() if INT else scaled[i * T + 1]
+                s = fma(lo, FV(1.0 / 254), s)
             var dx = xq.d.unsafe_load((m0 + i) * nb + blk) if terms else Float32(1)
             acc[i] = fma(s, d * dx, acc[i])
     comptime for i in range(mt):
