@@ -27,6 +27,12 @@ process of the server takes over the decode is read with psutil. So the table
 shows what serving adds to the in-process step, where in MAX's loop it goes, and
 what the API process takes from the cores the worker's threads use.
 
+With `--alternate ROUNDS`, the tables give way to one comparison: the GB/s of
+weights each type of `--types` streams a decode step (its projection chain alone, its
+model graph, its whole step), the types taken in turns round after round and each
+against the first type's in the same round, since this machine's speed drifts
+between minutes (issue 48's bandwidth row: `--types f32,q4_k_m`).
+
 With `--floor`, MAX's own Llama architecture (`bench_start.py`'s small Llama) and
 gpt2_max on a GPT-2 of the same shape are served the same way: no code of this
 package runs the Llama's steps, so its table is what MAX's serving loop costs a
@@ -472,6 +478,69 @@ def torch_chain(path: Path, repeat: int) -> dict[str, float]:
     return {"torch chain": statistics.median(times) * 1e3}
 
 
+def alternated_chains(paths: list[Path], rounds: int, repeat: int) -> dict[str, list[float]]:
+    """Each file's `projection_chain` compiled in one session, then executed in turns:
+    every round times each chain once (`repeat` executes, median ms), in `paths`' order,
+    so the figures of one round are of the same minute. Per file: its MB, then the
+    milliseconds of each round."""
+    before = threads.thread_ids()
+    session = InferenceSession(devices=[CPU()])
+    loaded = []
+    for path in paths:
+        state, config, work_of = model_weights(path)
+        chain, arrays, nbytes = projection_chain(state, config, work_of)
+        buffers = [Buffer.from_numpy(a) for a in arrays]
+        compiled = session.load(chain)
+        compiled.execute(*buffers)
+        loaded.append((str(path), compiled, buffers, nbytes))
+    threads.yield_to_main_thread()
+    threads.idle_engine_poller(before)
+    table: dict[str, list[float]] = {name: [nbytes / 1e6] for name, _, _, nbytes in loaded}
+    for _ in range(rounds):
+        for name, compiled, buffers, _ in loaded:
+            table[name].append(time_execute(compiled, buffers, repeat))
+    return table
+
+
+def alternate(checkpoint: Path, types: list[str], args: argparse.Namespace) -> None:
+    """`--alternate`: the bytes each type's decode step streams a second, of its
+    projections alone and of its model graph and whole step, with the types taken in
+    turns round after round, and each against the first type's in the same round."""
+    paths = [gguf_file(checkpoint, t) for t in types]
+    command = [sys.executable, __file__, "--part", "chains", "--repeat", str(args.repeat),
+               "--rounds", str(args.alternate), *(f"--path={p}" for p in paths)]
+    result = subprocess.run(command, capture_output=True, text=True, env=child_env())
+    if result.returncode != 0:
+        raise RuntimeError(f"the alternated chains failed:\n{result.stderr[-4000:]}")
+    chains = json.loads(result.stdout.strip().splitlines()[-1])
+    megabytes = {t: chains[str(p)][0] for t, p in zip(types, paths, strict=True)}
+    rates: dict[str, dict[str, list[float]]] = {t: defaultdict(list) for t in types}
+    for r in range(args.alternate):
+        for t, p in zip(types, paths, strict=True):
+            rates[t]["projections"].append(megabytes[t] / chains[str(p)][1 + r])
+    for _ in range(args.alternate):  # one process a step, the types in turns
+        for t, p in zip(types, paths, strict=True):
+            steps = measure("step", p, args)
+            for part in ("model graph", "step"):
+                rates[t][part].append(megabytes[t] / steps[part])
+    first = types[0]
+    print(f"\nGB/s of weights a decode step streams, {args.alternate} rounds, the types in "
+          f"turns ({', '.join(types)}); median, and the median of each round's ratio to "
+          f"{first}'s:")
+    parts = ("projections", "model graph", "step")
+    print(f"  {'type':<8} {'MB':>6}" + "".join(f" {p:>13} {'of ' + first:>9}" for p in parts))
+    for t in types:
+        cells = []
+        for part in parts:
+            mine, theirs = rates[t][part], rates[first][part]
+            ratio = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+            cells.append(f" {statistics.median(mine):13.1f} {ratio:9.2f}")
+        print(f"  {t:<8} {megabytes[t]:6.0f}" + "".join(cells))
+    print("  (projections: every projection and the head chained at one row on the model's "
+          "kernels, one session, rounds of `--repeat` executes; model graph and step: "
+          "`step_accounting`, a fresh process each)")
+
+
 PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, float]]] = {
     "step": lambda path, args: step_accounting(path, args.new_tokens),
     "split": lambda path, args: graph_split(path, args.repeat),
@@ -511,11 +580,19 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also serve MAX's own Llama and gpt2_max at one small shape "
                              "(FLOOR_SUBJECTS) and take the same served table for each")
-    parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
-    parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                        help="instead of the tables: the GB/s each type's step streams, "
+                             "the types taken in turns for ROUNDS rounds, each against "
+                             "the first type's (e.g. --types f32,q4_k_m)")
+    parser.add_argument("--part", choices=[*PARTS, "chains"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", type=Path, action="append", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.part == "chains":
+        print(json.dumps(alternated_chains(args.path, args.rounds, args.repeat)))
+        return
     if args.part:
-        print(json.dumps(PARTS[args.part](args.path, args)))
+        print(json.dumps(PARTS[args.part](args.path[0], args)))
         return
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
@@ -524,6 +601,9 @@ def main() -> None:
           f"{args.new_tokens} new tokens; ms per decode step (mean)")
     if args.serve and args.serve_env:
         print(f"max serve's added environment: {' '.join(args.serve_env)}")
+    if args.alternate:
+        alternate(checkpoint, [t for t in args.types.split(",") if t], args)
+        return
     for file_type in filter(None, args.types.split(",")):
         path = gguf_file(checkpoint, file_type)
         steps = measure("step", path, args)
