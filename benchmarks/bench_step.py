@@ -416,14 +416,21 @@ def time_execute(model: Any, buffers: list[Buffer], repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def graph_split(path: Path, repeat: int) -> dict[str, float]:
+def loaded_chain(session: InferenceSession, path: Path) -> tuple[Any, list[Buffer], int, Any]:
+    """`path`'s `projection_chain` compiled in `session` and run once: the model, its
+    input buffers, the bytes of weights it streams, the config."""
     state, config, work_of = model_weights(path)
-    before = threads.thread_ids()
-    session = InferenceSession(devices=[CPU()])
     chain, arrays, nbytes = projection_chain(state, config, work_of)
     buffers = [Buffer.from_numpy(a) for a in arrays]
     compiled = session.load(chain)
     compiled.execute(*buffers)
+    return compiled, buffers, nbytes, config
+
+
+def graph_split(path: Path, repeat: int) -> dict[str, float]:
+    before = threads.thread_ids()
+    session = InferenceSession(devices=[CPU()])
+    compiled, buffers, nbytes, config = loaded_chain(session, path)
     # MAX's threads as the model's runtime policy sets them (`cpu_runtime`), which the
     # model graph's figure above ran under.
     threads.yield_to_main_thread()
@@ -485,14 +492,7 @@ def alternated_chains(paths: list[Path], rounds: int, repeat: int) -> dict[str, 
     milliseconds of each round."""
     before = threads.thread_ids()
     session = InferenceSession(devices=[CPU()])
-    loaded = []
-    for path in paths:
-        state, config, work_of = model_weights(path)
-        chain, arrays, nbytes = projection_chain(state, config, work_of)
-        buffers = [Buffer.from_numpy(a) for a in arrays]
-        compiled = session.load(chain)
-        compiled.execute(*buffers)
-        loaded.append((str(path), compiled, buffers, nbytes))
+    loaded = [(str(path), *loaded_chain(session, path)[:3]) for path in paths]
     threads.yield_to_main_thread()
     threads.idle_engine_poller(before)
     table: dict[str, list[float]] = {name: [nbytes / 1e6] for name, _, _, nbytes in loaded}
@@ -507,12 +507,7 @@ def alternate(checkpoint: Path, types: list[str], args: argparse.Namespace) -> N
     projections alone and of its model graph and whole step, with the types taken in
     turns round after round, and each against the first type's in the same round."""
     paths = [gguf_file(checkpoint, t) for t in types]
-    command = [sys.executable, __file__, "--part", "chains", "--repeat", str(args.repeat),
-               "--rounds", str(args.alternate), *(f"--path={p}" for p in paths)]
-    result = subprocess.run(command, capture_output=True, text=True, env=child_env())
-    if result.returncode != 0:
-        raise RuntimeError(f"the alternated chains failed:\n{result.stderr[-4000:]}")
-    chains = json.loads(result.stdout.strip().splitlines()[-1])
+    chains = measure("chains", paths, args)
     megabytes = {t: chains[str(p)][0] for t, p in zip(types, paths, strict=True)}
     rates: dict[str, dict[str, list[float]]] = {t: defaultdict(list) for t in types}
     for r in range(args.alternate):
@@ -541,22 +536,25 @@ def alternate(checkpoint: Path, types: list[str], args: argparse.Namespace) -> N
           "`step_accounting`, a fresh process each)")
 
 
-PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, float]]] = {
-    "step": lambda path, args: step_accounting(path, args.new_tokens),
-    "split": lambda path, args: graph_split(path, args.repeat),
-    "peer": lambda path, args: torch_chain(path, args.repeat),
-    "serve": lambda path, args: serve_accounting(
-        path, args.new_tokens, dict(item.split("=", 1) for item in args.serve_env)
+PARTS: dict[str, Callable[[list[Path], argparse.Namespace], dict[str, Any]]] = {
+    "step": lambda paths, args: step_accounting(paths[0], args.new_tokens),
+    "split": lambda paths, args: graph_split(paths[0], args.repeat),
+    "peer": lambda paths, args: torch_chain(paths[0], args.repeat),
+    "serve": lambda paths, args: serve_accounting(
+        paths[0], args.new_tokens, dict(item.split("=", 1) for item in args.serve_env)
     ),
+    "chains": lambda paths, args: alternated_chains(paths, args.rounds, args.repeat),
 }
 """Each measurement runs in a process of its own: a MAX session left from one (its
 thread pool) would share the two cores with the next."""
 
 
-def measure(part: str, path: Path, args: argparse.Namespace) -> dict[str, float]:
-    """`PARTS[part]` on `path`, in a fresh Python process."""
-    command = [sys.executable, __file__, "--part", part, "--path", str(path),
+def measure(part: str, path: Path | list[Path], args: argparse.Namespace) -> dict[str, Any]:
+    """`PARTS[part]` on `path` (or on each of a list), in a fresh Python process."""
+    paths = path if isinstance(path, list) else [path]
+    command = [sys.executable, __file__, "--part", part, *(f"--path={p}" for p in paths),
                "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat),
+               "--rounds", str(max(1, args.alternate)),
                *(f"--serve-env={item}" for item in args.serve_env)]
     result = subprocess.run(command, capture_output=True, text=True, env=child_env())
     if result.returncode != 0:
@@ -584,15 +582,12 @@ def main() -> None:
                         help="instead of the tables: the GB/s each type's step streams, "
                              "the types taken in turns for ROUNDS rounds, each against "
                              "the first type's (e.g. --types f32,q4_k_m)")
-    parser.add_argument("--part", choices=[*PARTS, "chains"], help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, action="append", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.part == "chains":
-        print(json.dumps(alternated_chains(args.path, args.rounds, args.repeat)))
-        return
     if args.part:
-        print(json.dumps(PARTS[args.part](args.path[0], args)))
+        print(json.dumps(PARTS[args.part](args.path, args)))
         return
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
     if not (checkpoint / "model.safetensors").exists():
