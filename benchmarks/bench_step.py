@@ -543,7 +543,7 @@ PARTS: dict[str, Callable[[list[Path], argparse.Namespace], dict[str, Any]]] = {
     "serve": lambda paths, args: serve_accounting(
         paths[0], args.new_tokens, dict(item.split("=", 1) for item in args.serve_env)
     ),
-    "chains": lambda paths, args: alternated_chains(paths, args.rounds, args.repeat),
+    "chains": lambda paths, args: alternated_chains(paths, args.alternate, args.repeat),
 }
 """Each measurement runs in a process of its own: a MAX session left from one (its
 thread pool) would share the two cores with the next."""
@@ -554,7 +554,7 @@ def measure(part: str, path: Path | list[Path], args: argparse.Namespace) -> dic
     paths = path if isinstance(path, list) else [path]
     command = [sys.executable, __file__, "--part", part, *(f"--path={p}" for p in paths),
                "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat),
-               "--rounds", str(max(1, args.alternate)),
+               "--alternate", str(args.alternate),
                *(f"--serve-env={item}" for item in args.serve_env)]
     result = subprocess.run(command, capture_output=True, text=True, env=child_env())
     if result.returncode != 0:
@@ -584,7 +584,6 @@ def main() -> None:
                              "the first type's (e.g. --types f32,q4_k_m)")
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, action="append", help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.part:
         print(json.dumps(PARTS[args.part](args.path, args)))
