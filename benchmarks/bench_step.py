@@ -536,7 +536,17 @@ def alternate(checkpoint: Path, types: list[str], args: argparse.Namespace) -> N
           "`step_accounting`, a fresh process each)")
 
 
+def write_files(checkpoint: Path, preset: str, types: list[str]) -> dict[str, Any]:
+    """The preset's checkpoint and its GGUF of each type, written where missing."""
+    if not (checkpoint / "model.safetensors").exists():
+        write_checkpoint(checkpoint, preset_config(preset), std=0.2)
+    return {t: str(gguf_file(checkpoint, t)) for t in types}
+
+
 PARTS: dict[str, Callable[[list[Path], argparse.Namespace], dict[str, Any]]] = {
+    "files": lambda paths, args: write_files(
+        paths[0], args.preset, [t for t in args.types.split(",") if t]
+    ),
     "step": lambda paths, args: step_accounting(paths[0], args.new_tokens),
     "split": lambda paths, args: graph_split(paths[0], args.repeat),
     "peer": lambda paths, args: torch_chain(paths[0], args.repeat),
@@ -546,7 +556,10 @@ PARTS: dict[str, Callable[[list[Path], argparse.Namespace], dict[str, Any]]] = {
     "chains": lambda paths, args: alternated_chains(paths, args.alternate, args.repeat),
 }
 """Each measurement runs in a process of its own: a MAX session left from one (its
-thread pool) would share the two cores with the next."""
+thread pool) would share the two cores with the next. So does writing the files:
+Python keeps the memory an xl checkpoint's arrays took (5 GB), and a server started
+beside it sizes MAX's KV cache from what is left free, a cache the kernel's
+out-of-memory killer then took the worker for."""
 
 
 def measure(part: str, path: Path | list[Path], args: argparse.Namespace) -> dict[str, Any]:
@@ -554,7 +567,8 @@ def measure(part: str, path: Path | list[Path], args: argparse.Namespace) -> dic
     paths = path if isinstance(path, list) else [path]
     command = [sys.executable, __file__, "--part", part, *(f"--path={p}" for p in paths),
                "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat),
-               "--alternate", str(args.alternate),
+               "--alternate", str(args.alternate), "--preset", args.preset,
+               "--types", args.types,
                *(f"--serve-env={item}" for item in args.serve_env)]
     result = subprocess.run(command, capture_output=True, text=True, env=child_env())
     if result.returncode != 0:
@@ -589,8 +603,7 @@ def main() -> None:
         print(json.dumps(PARTS[args.part](args.path, args)))
         return
     checkpoint = CHECKPOINTS / f"checkpoint-{args.preset}"
-    if not (checkpoint / "model.safetensors").exists():
-        write_checkpoint(checkpoint, preset_config(args.preset), std=0.2)
+    measure("files", checkpoint, args)
     print(f"CPU: {cpu_model()}; preset {args.preset}; batch 1, {len(PROMPT)}-token prompt, "
           f"{args.new_tokens} new tokens; ms per decode step (mean)")
     if args.serve and args.serve_env:
