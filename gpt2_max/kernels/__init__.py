@@ -15,6 +15,7 @@ for every graph linking the same packages. The output type is written here
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,38 @@ def skinny_matmul(x: Any, w: Any) -> Tensor:
     """`x @ w.T` (the tied LM head), the kernel chosen as by `skinny_linear`."""
     _same_features(x, w)
     return _call("gpt2_skinny_matmul", x, w, max_rows=SKINNY_MAX_ROWS)
+
+
+LINE_BYTES = 64
+"""Bytes of a cache line, the unit of a layout in lines (`lines`)."""
+BLOCK_ROWS = 4
+"""Weight rows the skinny kernel multiplies together (`mojo/skinny.mojo`'s `R`)."""
+
+
+def in_lines(dtype: DType, row_lengths: Iterable[int]) -> bool:
+    """Whether a fused block's float weights of `dtype`, rows of `row_lengths` values,
+    are held in `lines`: float16 (float32 ones are MAX's tiled matmul's at prefill,
+    which reads them row-major) in rows of whole lines."""
+    per_line = LINE_BYTES // dtype.size_in_bytes
+    return dtype == DType.float16 and all(k % per_line == 0 for k in row_lengths)
+
+
+def lines(w: np.ndarray) -> np.ndarray:
+    """A float weight (`[rows, K]`) in lines, as the skinny kernel reads it where asked
+    (`mojo/skinny.mojo`): each block of `BLOCK_ROWS` rows stored a cache line of each
+    row in turn, so the block streams as one run of memory rather than `BLOCK_ROWS`; the
+    rows past the last whole block stay as they are. Same shape and values."""
+    rows, K = w.shape
+    per_line = LINE_BYTES // w.dtype.itemsize
+    if K % per_line:
+        raise ValueError(f"rows of {K} values are not whole lines of {per_line}")
+    whole = rows // BLOCK_ROWS * BLOCK_ROWS
+    out = w.copy()
+    out[:whole] = (
+        w[:whole].reshape(-1, BLOCK_ROWS, K // per_line, per_line)
+        .transpose(0, 2, 1, 3).reshape(whole, K)
+    )
+    return out
 
 
 DOTS = {"auto": 0, "float32": 1, "int8": 2, "int8x2": 3}
@@ -172,7 +205,7 @@ def paged_attention(
 def decoder_block(
     x: Any, ln_1: Any, c_attn: Any, c_proj: Any, ln_2: Any, c_fc: Any, mlp_proj: Any,
     input_row_offsets: Any, kv_collection: Any, layer_idx: Any, scale: float, head_dim: int,
-    *, encodings: tuple[str | None, ...] = (None,) * 4, dot: str = "auto",
+    *, encodings: tuple[str | None, ...] = (None,) * 4, dot: str = "auto", lined: bool = False,
 ) -> Tensor:
     """One GPT-2 block, `h = x + attn(ln_1(x))` then `h + mlp(ln_2(h))` with a tanh GELU,
     as one op (see `mojo/block.mojo`); the step's keys and values go into layer
@@ -180,7 +213,8 @@ def decoder_block(
     `(weight, bias)` normalized with the same eps (GPT-2 has one), the projections
     `(weight, bias)`: `[out, in]` float weights of one dtype (float32 or float16), or,
     where `encodings` names the four projections' GGUF block types, their blocks as
-    `interleave` lays them out, multiplied as `packed_linear` does with `dot`."""
+    `interleave` lays them out, multiplied as `packed_linear` does with `dot`. Float
+    weights are row-major, or `lined` as `lines` lays them out."""
     if len({e is None for e in encodings}) != 1:
         raise ValueError(f"a block's projections are all float or all packed, not {encodings}")
     cpu = DeviceRef.CPU()
@@ -196,6 +230,7 @@ def decoder_block(
         "gpt2_decoder_block", x.device, values, [out],
         parameters={
             "head_dim": head_dim, "max_rows": SKINNY_MAX_ROWS, "dot": DOTS[dot],
+            "lines": lined,
             **{
                 f"f_{name}": KERNEL_TYPES[e] if e else 0
                 for name, e in zip(("qkv", "o", "fc", "p"), encodings, strict=True)

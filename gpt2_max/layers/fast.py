@@ -8,23 +8,28 @@ skinny Mojo kernel at decode sizes and uses MAX's matmul for float32 prefills.
 Attention is the package's op over the paged cache (`PackageAttention`). A block
 whose projections are float, or all packed on the package's kernel, is a `FusedBlock`,
 one op, which saves MAX's cost between ops at every decode step
-(`docs/performance.md`, "One op a block").
+(`docs/performance.md`, "One op a block"); its float16 weights are held in lines
+(`kernels.lines`), read only by that op.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from max.driver import CPU
 from max.dtype import DType
 from max.experimental import functional as F
 from max.experimental import nn
 from max.experimental.tensor import Tensor
+from max.graph import Shape
+from max.graph.weights import WeightData
 from max.nn.kv_cache import PagedCacheValues
 
 from .. import kernels
 from ..settings import settings
-from ..weights.schema import PROJECTIONS, block_index
+from ..weights.hugepages import hugepage_array
+from ..weights.schema import PROJECTIONS, block_index, is_projection_weight
 from . import Layers
 from .attention import GPT2Attention
 from .block import GPT2Block
@@ -57,11 +62,15 @@ class FusedBlock(GPT2Block):
         layer_idx = F.constant(attn.layer_idx, DType.uint32, device=CPU())
         projections = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         c_attn, c_proj, c_fc, mlp_proj = ((p.weight, p.bias) for p in projections)
+        lined = kernels.in_lines(
+            attn.c_attn.weight.dtype, (int(p.weight.shape[1]) for p in projections)
+        )
         return kernels.decoder_block(
             x, (self.ln_1.weight, self.ln_1.bias, self.ln_1.eps), c_attn, c_proj,
             (self.ln_2.weight, self.ln_2.bias), c_fc, mlp_proj,
             input_row_offsets, kv_collection, layer_idx, attn.scale, attn.head_dim,
             encodings=tuple(getattr(p, "encoding", None) for p in projections),
+            lined=lined,
         )
 
 
@@ -116,4 +125,17 @@ class FastLayers(Layers):
         return project(h, table)
 
     def prepare(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return repack(state_dict, self.work_of)
+        """Packed weights in their kernels' layouts (`repack`); a `FusedBlock`'s float16
+        weights in lines (`kernels.lines`), as its op reads them (`kernels.in_lines`)."""
+        prepared = dict(repack(state_dict, self.work_of))
+        layers = {block_index(name) for name in prepared if is_projection_weight(name)}
+        for layer in sorted(layers):
+            names = [f"h.{layer}.{p}.weight" for p in PROJECTIONS]
+            weights = [prepared.get(name) for name in names]
+            if any(w is None for w in weights) or not (self.fuses(layer) and kernels.in_lines(
+                    weights[0].dtype, (int(w.shape[1]) for w in weights))):
+                continue
+            for name, weight in zip(names, weights, strict=True):
+                held = hugepage_array(kernels.lines(np.asarray(weight.data)))
+                prepared[name] = WeightData(held, name, weight.dtype, Shape(held.shape))
+        return prepared

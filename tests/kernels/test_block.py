@@ -66,7 +66,8 @@ def projections(shape) -> dict[str, tuple[int, int]]:
 
 
 @functools.cache
-def block_op(shape, weight_dtype: DType, encodings: tuple, dot: str, scale: float):
+def block_op(shape, weight_dtype: DType, encodings: tuple, dot: str, scale: float,
+             lined: bool = False):
     cpu = DeviceRef.CPU()
     head_dim = shape.hidden // shape.heads
     vector = [TensorType(DType.float32, [shape.hidden], cpu)] * 2
@@ -78,7 +79,7 @@ def block_op(shape, weight_dtype: DType, encodings: tuple, dot: str, scale: floa
     types[7:7] = vector  # ln_2 after the attention's two projections
     types += cache_types(shape.heads, head_dim)
     name = "_".join(e or str(weight_dtype) for e in encodings)
-    with Graph(f"block_{name}_{dot}", input_types=types) as graph:
+    with Graph(f"block_{name}_{dot}{'_lined' * lined}", input_types=types) as graph:
         v = [value.tensor if i != 14 else value.buffer for i, value in enumerate(graph.inputs)]
         x, g1, b1, w_qkv, b_qkv, w_o, b_o, g2, b2, w_fc, b_fc, w_p, b_p = v[:13]
         offsets, blocks, stride, lengths, lut, layer = v[13:]
@@ -88,7 +89,7 @@ def block_op(shape, weight_dtype: DType, encodings: tuple, dot: str, scale: floa
         graph.output(kernels.decoder_block(
             x, (g1, b1, EPS), (w_qkv, b_qkv), (w_o, b_o), (g2, b2), (w_fc, b_fc),
             (w_p, b_p), offsets, cache, layer, scale, head_dim,
-            encodings=encodings, dot=dot,
+            encodings=encodings, dot=dot, lined=lined,
         ))
     return InferenceSession(devices=[CPU()]).load(graph)
 
@@ -103,7 +104,7 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def run_block(batch, shape, weights, stored, encodings=(None,) * 4, dot="auto"):
+def run_block(batch, shape, weights, stored, encodings=(None,) * 4, dot="auto", lined=False):
     """The op on a random step of `batch` over a random paged cache, with `stored`
     (`[out, in]` arrays, or packed blocks) as the projections' weights; and the float64
     reference over `weights` (their values), the block's output and the cache after."""
@@ -122,7 +123,7 @@ def run_block(batch, shape, weights, stored, encodings=(None,) * 4, dot="auto"):
               biases["mlp_proj"]]
     dtype = DType.from_numpy(stored["c_attn"].dtype)
     cache = Buffer.from_numpy(blocks.copy())
-    got = block_op(shape, dtype, tuple(encodings), dot, float(scale)).execute(
+    got = block_op(shape, dtype, tuple(encodings), dot, float(scale), lined).execute(
         *(Buffer.from_numpy(a) for a in arrays), *cache_inputs(offsets, cache, cached, lut)
     )[0].to_numpy()
 
@@ -149,18 +150,37 @@ def run_block(batch, shape, weights, stored, encodings=(None,) * 4, dot="auto"):
     )
 
 
-@pytest.mark.parametrize("weight_dtype", [DType.float32, DType.float16], ids=str)
-@pytest.mark.parametrize("batch", list(BATCHES))
-def test_block_matches_numpy(batch, weight_dtype):
+def float_weights(weight_dtype: DType) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(99)
-    weights = {
+    return {
         name: (rng.standard_normal(shape, np.float32) / np.sqrt(shape[1]))
         .astype(weight_dtype.to_numpy())
         for name, shape in projections(FLOAT).items()
     }
+
+
+@pytest.mark.parametrize("weight_dtype", [DType.float32, DType.float16], ids=str)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_block_matches_numpy(batch, weight_dtype):
+    weights = float_weights(weight_dtype)
     out = run_block(batch, FLOAT, weights, weights)
     np.testing.assert_allclose(out.cache, out.expected_cache, atol=1e-5, rtol=0)
     np.testing.assert_allclose(out.got, out.y, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_a_float16_block_in_lines_gives_the_row_major_blocks_bits(batch):
+    """Float16 weights held in lines (`kernels.lines`, as `FastLayers.prepare` holds a
+    fused block's) are summed in the same order as row-major ones: the same output and
+    cache bit for bit, at decode and prefill sizes."""
+    weights = float_weights(DType.float16)
+    rows = run_block(batch, FLOAT, weights, weights)
+    lined = run_block(batch, FLOAT, weights, {n: kernels.lines(w) for n, w in weights.items()},
+                      lined=True)
+    assert not np.array_equal(kernels.lines(weights["c_fc"]), weights["c_fc"])
+    np.testing.assert_array_equal(lined.got, rows.got)
+    np.testing.assert_array_equal(lined.cache, rows.cache)
+    np.testing.assert_allclose(lined.got, lined.y, atol=2e-4, rtol=0)
 
 
 def packed_weights(mix: tuple[str, ...], shape: Shape):

@@ -42,7 +42,7 @@ from .ops import run_linear
 from .share import (
     Counters, CpuCtx, Epilogue, F32Ptr, Team, add_into, gelu_in_place, share_out,
 )
-from .skinny import R, WPtr, _block
+from .skinny import R, WPtr, _block, line_values
 
 comptime SW = simd_width_of[DType.float32]()
 comptime PAD = 8
@@ -86,13 +86,14 @@ def _layer_norm(x: F32Ptr, g: F32Ptr, b: F32Ptr, dst: F32Ptr, K: Int, eps: Float
 
 @fieldwise_init
 struct Block[
-    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int
+    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, lines: Bool
 ](ImplicitlyCopyable, Movable):
     """A block's parameters and the step's buffers; every pointer is shared by the tasks.
 
     The projections' weights are float (`wdt` float32 or float16, every `f_*` 0) or GGUF
     blocks (`wdt` uint8, `f_qkv` ... `f_p` each projection's GGML type, multiplied with
-    the packed kernel's arithmetic `dot`, `kquant.dot_path`)."""
+    the packed kernel's arithmetic `dot`, `kquant.dot_path`). Float weights are held
+    row-major, or in lines (`lines`, `skinny.mojo`)."""
 
     var x: F32Ptr
     """[M, d], the residual stream in."""
@@ -159,7 +160,7 @@ struct Block[
         var n0 = c * cb * R
         var n1 = min((c + 1) * cb, nblocks) * R
         for blk in range(c * cb, min((c + 1) * cb, nblocks)):
-            _block[Self.wdt, R](x, w, b, dst, self.M, K, N, blk * R, True)
+            _block[Self.wdt, R, Self.lines](x, w, b, dst, self.M, K, N, blk * R, True)
         if n1 == nblocks * R:
             for n in range(nblocks * R, N):
                 _block[Self.wdt, 1](x, w, b, dst, self.M, K, N, n, True)
@@ -173,7 +174,7 @@ struct Block[
         """`dst = x @ w.T + b` for a prefill's rows on all the threads, as the composed
         block's op for the weight computes it (`ops.run_linear`, the packed ops)."""
         comptime if fmt == 0:
-            run_linear[Self.wdt, max_rows](dst, x, w, b, self.M, K, N, True)
+            run_linear[Self.wdt, max_rows, Self.lines](dst, x, w, b, self.M, K, N, True)
         else:
             packed_matmul[fmt, Self.dot](
                 x, rebind[U8Ptr](w), b, dst, self.M, K, N, True, Team.launch(ntasks, ctx),
@@ -233,10 +234,10 @@ def _member(t: Int, T: Int, counters: Counters, stage: Int) -> Team:
 
 
 def decoder_block[
-    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //,
+    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, lines: Bool, //,
     head_dim: Int, max_rows: Int,
 ](
-    blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot], offsets: U32Ptr, B: Int, H: Int,
+    blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot, lines], offsets: U32Ptr, B: Int, H: Int,
     blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, layer: Int,
     cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,
     ctx: Optional[CpuCtx],
@@ -313,10 +314,10 @@ def _rows_parallel[Work: def(Int, Int) -> None](work: Work, M: Int, ntasks: Int,
 
 
 def _staged[
-    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, //,
+    wdt: DType, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int, dot: Int, lines: Bool, //,
     head_dim: Int, max_rows: Int,
 ](
-    blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot], offsets: U32Ptr, B: Int, H: Int,
+    blk: Block[wdt, f_qkv, f_o, f_fc, f_p, dot, lines], offsets: U32Ptr, B: Int, H: Int,
     blocks: F32Ptr, page_elems: Int, L: Int, page_size: Int, layer: Int,
     cache_lengths: U32Ptr, lut: U32Ptr, lut_cols: Int, scale: Float32, ntasks: Int,
     ctx: Optional[CpuCtx],
@@ -384,7 +385,7 @@ struct DecoderBlock:
     @staticmethod
     def execute[
         wdt: DType, head_dim: Int, max_rows: Int, f_qkv: Int, f_o: Int, f_fc: Int, f_p: Int,
-        dot: Int, target: StaticString,
+        dot: Int, lines: Bool, target: StaticString,
     ](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
@@ -421,6 +422,10 @@ struct DecoderBlock:
             or w_p.dim_size(1) != _row_width[wdt, f_p](ff)
         ):
             raise Error("the block's weights do not fit a hidden size of ", d)
+        comptime if lines:
+            if d % line_values[wdt]() or ff % line_values[wdt]():
+                raise Error("weights in lines need rows of a multiple of ", line_values[wdt](),
+                            " values, not ", d, " and ", ff)
         if kv_blocks.dim_size(5) != head_dim or d % head_dim or kv_blocks.dim_size(4) * head_dim != d:
             raise Error("cache heads of ", kv_blocks.dim_size(4), " x ", kv_blocks.dim_size(5),
                         " values, hidden size ", d, ", op built for heads of ", head_dim)
@@ -433,7 +438,7 @@ struct DecoderBlock:
         var o = alloc[Float32](M * d, alignment=64)
         var h = alloc[Float32](M * d, alignment=64)
         var f = alloc[Float32](M * ff, alignment=64)
-        var blk = Block[wdt, f_qkv, f_o, f_fc, f_p, dot](
+        var blk = Block[wdt, f_qkv, f_o, f_fc, f_p, dot, lines](
             rebind[F32Ptr](x.unsafe_ptr()), rebind[F32Ptr](y.unsafe_ptr()),
             rebind[F32Ptr](ln1_g.unsafe_ptr()), rebind[F32Ptr](ln1_b.unsafe_ptr()),
             rebind[WPtr[wdt]](w_qkv.unsafe_ptr()), rebind[F32Ptr](b_qkv.unsafe_ptr()),

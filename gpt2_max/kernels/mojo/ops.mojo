@@ -33,16 +33,18 @@ from .share import CpuCtx, Epilogue, F32Ptr, Team
 from .skinny import WPtr, skinny_matmul
 
 
-def run_linear[wdt: DType, max_rows: Int](
+def run_linear[wdt: DType, max_rows: Int, lines: Bool = False](
     y: F32Ptr, x: F32Ptr, w: WPtr[wdt], b: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool,
 ) raises:
-    comptime if wdt == DType.float32:
+    """`y = x @ w.T (+ b)`: MAX's tiled matmul for more than `max_rows` rows of float32
+    weights held row-major, else the skinny kernel (weights in `lines` or not)."""
+    comptime if wdt == DType.float32 and not lines:
         if M > max_rows:
             _tiled(y, x, rebind[F32Ptr](w), b, M, K, N, has_bias)
             return
     var cpu = Optional[CpuCtx](None)
-    skinny_matmul[wdt](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
+    skinny_matmul[wdt, lines](x, w, b, y, M, K, N, has_bias, max(1, parallelism_level(cpu)), cpu)
 
 
 def _tiled(

@@ -17,6 +17,13 @@ API process of a served model), would otherwise hold the whole step up; the othe
 take over the rest of its band, while each task still reads one contiguous range
 when nothing gets in the way.
 
+A float16 weight can be held in lines (`lines`, `kernels.lines`): each block of `R` rows
+stored a cache line of each row in turn, so a block is one sequential stream instead of
+`R` strided ones, which two cores streaming at once read faster where rows are short
+(`docs/performance.md`, "Float16 in lines"). The rows past the last whole block stay
+row-major. Each row's values are summed in the same order either way, so the outputs
+are the same bit for bit.
+
 That order is the fastest at a few rows and not at many, where reusing each loaded
 weight across rows matters more than streaming: the ops in `ops.mojo` hand float32
 steps of more rows than their `max_rows` to MAX's tiled matmul instead, so many rows
@@ -43,31 +50,47 @@ microseconds of streaming, short enough to share a small projection out evenly, 
 enough that taking one costs nothing beside it (`docs/performance.md`, "How a kernel's tasks share the rows")."""
 comptime CHUNK_ROWS = CHUNK_BLOCKS * R
 """Weight rows per chunk."""
+comptime LINES_AHEAD = 1024
+"""Bytes ahead of a block in lines that its stream requests (one request a line)."""
 
 
 @always_inline
-def _tile[wdt: DType, mt: Int, r: Int, ahead: Int](
+def _tile[wdt: DType, mt: Int, r: Int, ahead: Int, lines: Bool](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool,
 ):
     """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end.
 
-    Requests the next block's rows whose bits are set in `ahead` (`_tile_ahead`)."""
+    Requests the next block's rows whose bits are set in `ahead` (`_tile_ahead`); in
+    lines (`lines` and a whole block, K a multiple of a line's values), the lines
+    `LINES_AHEAD` bytes on of the rows whose bits are set."""
     comptime u = max(1, LINE // (SW * size_of[wdt]()))
     """SIMD loads per weight row per iteration: one cache line of each row."""
+    comptime in_lines = lines and r == R
+    comptime lw = SW * u
+    """Values of one row in a line."""
     var acc = Array[SIMD[DType.float32, SW], mt * r](fill=0)
     var kl = (K // (SW * u)) * (SW * u)
     var kv = (K // SW) * SW
     var k = 0
     while k < kl:
         comptime for j in range(r):
-            # The next block's rows, one block ahead: turns r short streams into one long one.
             comptime if ahead & (1 << j):
-                prefetch[PrefetchOptions().for_read().medium_locality()](w + (n0 + r + j) * K + k)
+                comptime if in_lines:
+                    prefetch[PrefetchOptions().for_read().medium_locality()](
+                        w + n0 * K + k * r + j * lw + LINES_AHEAD // size_of[wdt]()
+                    )
+                else:
+                    # The next block's rows, one block ahead: turns r short streams into
+                    # one long one.
+                    prefetch[PrefetchOptions().for_read().medium_locality()](w + (n0 + r + j) * K + k)
         comptime for v in range(u):
             var ws = Array[SIMD[DType.float32, SW], r](fill=0)
             comptime for j in range(r):
-                ws[j] = w.unsafe_load[width=SW]((n0 + j) * K + k + v * SW).cast[DType.float32]()
+                comptime if in_lines:
+                    ws[j] = w.unsafe_load[width=SW](n0 * K + k * r + j * lw + v * SW).cast[DType.float32]()
+                else:
+                    ws[j] = w.unsafe_load[width=SW]((n0 + j) * K + k + v * SW).cast[DType.float32]()
             comptime for i in range(mt):
                 var xv = x.unsafe_load[width=SW]((m0 + i) * K + k + v * SW)
                 comptime for j in range(r):
@@ -92,7 +115,7 @@ def _tile[wdt: DType, mt: Int, r: Int, ahead: Int](
 
 
 @always_inline
-def _block[wdt: DType, r: Int](
+def _block[wdt: DType, r: Int, lines: Bool = False](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, n0: Int, has_bias: Bool,
 ):
@@ -105,16 +128,16 @@ def _block[wdt: DType, r: Int](
     var m0 = 0
     var t = 0
     while m0 + MT <= M:
-        _tile_ahead[wdt, MT, r](x, w, b, y, K, N, m0, n0, has_bias, t, tiles)
+        _tile_ahead[wdt, MT, r, lines](x, w, b, y, K, N, m0, n0, has_bias, t, tiles)
         m0 += MT
         t += 1
     comptime for rest in range(1, MT):
         if M - m0 == rest:
-            _tile_ahead[wdt, rest, r](x, w, b, y, K, N, m0, n0, has_bias, t, tiles)
+            _tile_ahead[wdt, rest, r, lines](x, w, b, y, K, N, m0, n0, has_bias, t, tiles)
 
 
 @always_inline
-def _tile_ahead[wdt: DType, mt: Int, r: Int](
+def _tile_ahead[wdt: DType, mt: Int, r: Int, lines: Bool](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     K: Int, N: Int, m0: Int, n0: Int, has_bias: Bool, t: Int, tiles: Int,
 ):
@@ -123,30 +146,39 @@ def _tile_ahead[wdt: DType, mt: Int, r: Int](
     requests all four, two tiles two each, three tiles 2 + 1 + 1, four or more tiles one
     each and the rest none)."""
     if tiles == 1:
-        _tile[wdt, mt, r, 0b1111](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0b1111, lines](x, w, b, y, K, N, m0, n0, has_bias)
     elif tiles == 2:
         if t == 0:
-            _tile[wdt, mt, r, 0b0101](x, w, b, y, K, N, m0, n0, has_bias)
+            _tile[wdt, mt, r, 0b0101, lines](x, w, b, y, K, N, m0, n0, has_bias)
         else:
-            _tile[wdt, mt, r, 0b1010](x, w, b, y, K, N, m0, n0, has_bias)
+            _tile[wdt, mt, r, 0b1010, lines](x, w, b, y, K, N, m0, n0, has_bias)
     elif tiles == 3 and t == 0:
-        _tile[wdt, mt, r, 0b1001](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0b1001, lines](x, w, b, y, K, N, m0, n0, has_bias)
     elif t == 0:
-        _tile[wdt, mt, r, 0b0001](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0b0001, lines](x, w, b, y, K, N, m0, n0, has_bias)
     elif t == 1:
-        _tile[wdt, mt, r, 0b0010](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0b0010, lines](x, w, b, y, K, N, m0, n0, has_bias)
     elif t == 2:
-        _tile[wdt, mt, r, 0b0100](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0b0100, lines](x, w, b, y, K, N, m0, n0, has_bias)
     elif t == 3:
-        _tile[wdt, mt, r, 0b1000](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0b1000, lines](x, w, b, y, K, N, m0, n0, has_bias)
     else:
-        _tile[wdt, mt, r, 0](x, w, b, y, K, N, m0, n0, has_bias)
+        _tile[wdt, mt, r, 0, lines](x, w, b, y, K, N, m0, n0, has_bias)
 
 
-def skinny_matmul[wdt: DType](
+def line_values[wdt: DType]() -> Int:
+    """Values of one weight row in a line, the unit of a layout in lines."""
+    return SW * max(1, LINE // (SW * size_of[wdt]()))
+
+
+def skinny_matmul[wdt: DType, lines: Bool = False](
     x: F32Ptr, w: WPtr[wdt], b: F32Ptr, y: F32Ptr,
     M: Int, K: Int, N: Int, has_bias: Bool, ntasks: Int, ctx: Optional[CpuCtx],
 ) raises:
+    comptime if lines:
+        if K % line_values[wdt]():
+            raise Error("weights in lines need rows of a multiple of ", line_values[wdt](),
+                        " values, not ", K)
     var nblocks = N // R
     var nchunks = max(1, ceildiv(nblocks, CHUNK_BLOCKS))
 
@@ -155,7 +187,7 @@ def skinny_matmul[wdt: DType](
         var ym = y + m_begin * N
         var mc = m_end - m_begin
         for blk in range(c * CHUNK_BLOCKS, min((c + 1) * CHUNK_BLOCKS, nblocks)):
-            _block[wdt, R](xm, w, b, ym, mc, K, N, blk * R, has_bias)
+            _block[wdt, R, lines](xm, w, b, ym, mc, K, N, blk * R, has_bias)
         if c == nchunks - 1:
             for n in range(nblocks * R, N):
                 _block[wdt, 1](xm, w, b, ym, mc, K, N, n, has_bias)
