@@ -62,8 +62,8 @@ def _tile[wdt: DType, mt: Int, r: Int, ahead: Int, lines: Bool](
     """y[m0 : m0+mt, n0 : n0+r], accumulated in SIMD lanes, reduced once at the end.
 
     Requests the next block's rows whose bits are set in `ahead` (`_tile_ahead`); in
-    lines (`lines` and a whole block, K a multiple of a line's values), the lines
-    `LINES_AHEAD` bytes on of the rows whose bits are set."""
+    lines (`lines` and a whole block, K a multiple of a line's values), a lone tile
+    (all four bits) the lines `LINES_AHEAD` bytes on instead."""
     comptime u = max(1, LINE // (SW * size_of[wdt]()))
     """SIMD loads per weight row per iteration: one cache line of each row."""
     comptime in_lines = lines and r == R
@@ -76,9 +76,16 @@ def _tile[wdt: DType, mt: Int, r: Int, ahead: Int, lines: Bool](
     while k < kl:
         comptime for j in range(r):
             comptime if ahead & (1 << j):
-                comptime if in_lines:
+                comptime if in_lines and ahead == 0b1111:
+                    # A lone tile streams its block: the lines a little way on.
                     prefetch[PrefetchOptions().for_read().medium_locality()](
                         w + n0 * K + k * r + j * lw + LINES_AHEAD // size_of[wdt]()
+                    )
+                elif in_lines:
+                    # Tiles sharing a block: its first tile streams it, so each asks for
+                    # its share of the next block's lines at the same place.
+                    prefetch[PrefetchOptions().for_read().medium_locality()](
+                        w + (n0 + r) * K + k * r + j * lw
                     )
                 else:
                     # The next block's rows, one block ahead: turns r short streams into
