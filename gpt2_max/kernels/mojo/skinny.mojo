@@ -67,8 +67,8 @@ def _tile[wdt: DType, mt: Int, r: Int, ahead: Int, lines: Bool](
     comptime u = max(1, LINE // (SW * size_of[wdt]()))
     """SIMD loads per weight row per iteration: one cache line of each row."""
     comptime in_lines = lines and r == R
-    comptime lw = SW * u
-    """Values of one row in a line."""
+    comptime lw = line_values[wdt]()
+    """Values of one row in a line (`SW * u`)."""
     var acc = Array[SIMD[DType.float32, SW], mt * r](fill=0)
     var kl = (K // (SW * u)) * (SW * u)
     var kv = (K // SW) * SW
