@@ -603,10 +603,11 @@ def measure_gguf(
 def kernel_lines(log: Path) -> list[str]:
     """The kernel the server gave each packed block type and why, as its log says
     (`layers/kernel_choice.py`: for the requests' weights, and for those multiplying
-    a few rows a step), once each."""
+    a few rows a step), and the layout of float16 block weights
+    (`layers/lines_choice.py`), once each."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     found = (line.split("Packed ", 1)[-1].split(f"{PACKAGE}: ", 1)[-1] for line in lines
-             if " weights" in line and "'s kernel (" in line)
+             if " weights" in line and ("'s kernel (" in line or "float16 weights" in line))
     return list(dict.fromkeys(found))
 
 

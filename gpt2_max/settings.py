@@ -98,6 +98,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`0` runs each block as its modules' ops, not one op"),
     Setting("packed_kernel", None, "timed once a CPU", _one_of("max", "package"),
             "`max` or `package`: the kernel for GGUF types both multiply"),
+    Setting("float16_lines", None, "timed once a CPU", _switch,
+            "`1` holds a one-op block's float16 weights in lines, `0` row-major as loaded"),
     Setting("worker_nice", 10, "`10`", _whole(0, MAX_NICE),
             "nice levels MAX's CPU worker threads run below the thread driving them"),
     Setting("decode_steps", None, f"`{CPU_DECODE_STEPS}` on the CPU, `1` on a GPU", _whole(1),
@@ -130,6 +132,7 @@ class Settings:
     layers: str
     fuse_blocks: bool
     packed_kernel: str | None
+    float16_lines: bool | None
     worker_nice: int
     decode_steps: int | None
     burst_ms: int

@@ -37,15 +37,16 @@ streams each weight once and is the faster of the two at decode sizes, the tiled
 reuses each packed weight tile across rows and is the faster at prefill sizes. The
 linear ops read it as their `max_rows` parameter and switch as they run."""
 
-def skinny_linear(x: Any, w: Any, b: Any) -> Tensor:
+def skinny_linear(x: Any, w: Any, b: Any, *, lined: bool = False) -> Tensor:
     """`x @ w.T + b`, streaming `w` once for up to `SKINNY_MAX_ROWS` rows of `x` (see
     `mojo/skinny.mojo`), through MAX's tiled matmul for more (see `mojo/ops.mojo`).
 
     `w` may be float32 or float16: the skinny kernel widens float16 as it loads it,
-    and takes float16 weights at every row count.
+    and takes float16 weights at every row count, row-major or `lined` (as `lines`
+    lays them out).
     """
     _same_features(x, w)
-    return _call("gpt2_skinny_linear", x, w, b, max_rows=SKINNY_MAX_ROWS)
+    return _call("gpt2_skinny_linear", x, w, b, max_rows=SKINNY_MAX_ROWS, lines=lined)
 
 
 def skinny_matmul(x: Any, w: Any) -> Tensor:

@@ -9,7 +9,8 @@ Attention is the package's op over the paged cache (`PackageAttention`). A block
 whose projections are float, or all packed on the package's kernel, is a `FusedBlock`,
 one op, which saves MAX's cost between ops at every decode step
 (`docs/performance.md`, "One op a block"); its float16 weights are held in lines
-(`kernels.lines`), read only by that op.
+(`kernels.lines`), read only by that op, where lines stream faster on this CPU
+(`lines_choice`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ from .block import GPT2Block
 from .embedding import Embedding
 from .kernel_choice import one_op
 from .linear import SkinnyLinear, project
+from .lines_choice import float16_lines
 from .quantized import QuantizedLinear, repack
+
+
+def held_in_lines(dtype: DType, row_lengths: list[int]) -> bool:
+    """Whether a `FusedBlock`'s float weights of `dtype`, rows of `row_lengths` values,
+    are held in lines: where lines can hold them (`kernels.in_lines`) and stream faster
+    on this CPU (`lines_choice`, measured only then)."""
+    return kernels.in_lines(dtype, row_lengths) and float16_lines()
 
 
 class PackageAttention(GPT2Attention):
@@ -62,9 +71,8 @@ class FusedBlock(GPT2Block):
         layer_idx = F.constant(attn.layer_idx, DType.uint32, device=CPU())
         projections = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         c_attn, c_proj, c_fc, mlp_proj = ((p.weight, p.bias) for p in projections)
-        lined = kernels.in_lines(
-            attn.c_attn.weight.dtype, (int(p.weight.shape[1]) for p in projections)
-        )
+        rows = [int(p.weight.shape[1]) for p in projections]
+        lined = held_in_lines(attn.c_attn.weight.dtype, rows)
         return kernels.decoder_block(
             x, (self.ln_1.weight, self.ln_1.bias, self.ln_1.eps), c_attn, c_proj,
             (self.ln_2.weight, self.ln_2.bias), c_fc, mlp_proj,
@@ -132,8 +140,8 @@ class FastLayers(Layers):
         for layer in sorted(layers):
             names = [f"h.{layer}.{p}.weight" for p in PROJECTIONS]
             weights = [prepared.get(name) for name in names]
-            if any(w is None for w in weights) or not (self.fuses(layer) and kernels.in_lines(
-                    weights[0].dtype, (int(w.shape[1]) for w in weights))):
+            if any(w is None for w in weights) or not (self.fuses(layer) and held_in_lines(
+                    weights[0].dtype, [int(w.shape[1]) for w in weights])):
                 continue
             for name, weight in zip(names, weights, strict=True):
                 held = hugepage_array(kernels.lines(np.asarray(weight.data)))

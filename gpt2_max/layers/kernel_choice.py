@@ -54,9 +54,11 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import numpy as np
 import psutil
@@ -186,27 +188,42 @@ def choice(encoding: str) -> Choice:
     else as measured on this CPU (measured now if it never was)."""
     if (named := settings().packed_kernel) is not None:
         return Choice(named, why=f"{KERNEL_ENV}={named}")
-    path = cache_file()
-    known = _read(path)
-    if encoding not in known:
-        logger.info(f"Timing MAX's and {PACKAGE}'s kernels for {encoding} on this CPU (once)")
-        measured = measure(encoding)
-        if measured.busy > BUSY_LIMIT:
-            logger.warning(
-                f"Other processes took {measured.busy:.0%} of the CPU while {encoding}'s "
-                "kernels were timed: this start takes the choice, a later start times "
-                "them again"
-            )
-            logger.info(f"Packed {measured.describe(encoding)}")
-            return measured
-        known = _read(path) | {encoding: asdict(measured)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}")
-        staging.write_text(json.dumps(known, indent=1))
-        os.replace(staging, path)
-    picked = Choice(**known[encoding])
+    picked = kept(encoding, f"MAX's and {PACKAGE}'s kernels for {encoding}",
+                  lambda: measure(encoding), Choice)
     logger.info(f"Packed {picked.describe(encoding)}")
     return picked
+
+
+class Measured(Protocol):
+    busy: float
+
+
+M = TypeVar("M", bound=Measured)
+
+
+def kept(key: str, what: str, measure: Callable[[], M], kind: Callable[..., M]) -> M:
+    """`key`'s measurement on this CPU, read from `cache_file`, else taken now (`what`
+    names it in the log) and kept there for later starts and the server's other
+    processes, unless other processes took more than `BUSY_LIMIT` of the CPU while it
+    ran (`OthersBusy`): then it serves this start only. `kind` rebuilds a kept one."""
+    path = cache_file()
+    known = _read(path)
+    if key in known:
+        return kind(**known[key])
+    logger.info(f"Timing {what} on this CPU (once)")
+    measured = measure()
+    if measured.busy > BUSY_LIMIT:
+        logger.warning(
+            f"Other processes took {measured.busy:.0%} of the CPU while {what} were "
+            "timed: this start takes the choice, a later start times them again"
+        )
+        return measured
+    known = _read(path) | {key: asdict(measured)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}")
+    staging.write_text(json.dumps(known, indent=1))
+    os.replace(staging, path)
+    return measured
 
 
 def cache_file() -> Path:

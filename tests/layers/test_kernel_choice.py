@@ -33,13 +33,8 @@ pytestmark = pytest.mark.tier("unit")
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """No setting, an empty cache file of this test's own, and no choice remembered."""
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    monkeypatch.setattr(kernel_choice, "cache_file", lambda: tmp_path / "choices.json")
-    choice.cache_clear()
-    yield tmp_path / "choices.json"
-    choice.cache_clear()
+def fresh(measured_afresh):
+    return measured_afresh(KERNEL_ENV, choice)
 
 
 def test_a_named_kernel_is_taken_without_measuring(fresh, monkeypatch):

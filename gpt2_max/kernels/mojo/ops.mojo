@@ -75,14 +75,14 @@ struct SkinnyLinear:
     """y[M, N] = x[M, K] @ w[N, K]^T + b[N]."""
 
     @staticmethod
-    def execute[wdt: DType, max_rows: Int, target: StaticString](
+    def execute[wdt: DType, max_rows: Int, lines: Bool, target: StaticString](
         y: OutputTensor[dtype=DType.float32, rank=2, static_spec=_],
         x: InputTensor[dtype=DType.float32, rank=2, static_spec=_],
         w: InputTensor[dtype=wdt, rank=2, static_spec=_],
         b: InputTensor[dtype=DType.float32, rank=1, static_spec=_],
         ctx: DeviceContext,
     ) raises:
-        run_linear[wdt, max_rows](
+        run_linear[wdt, max_rows, lines](
             rebind[F32Ptr](y.unsafe_ptr()), rebind[F32Ptr](x.unsafe_ptr()),
             rebind[WPtr[wdt]](w.unsafe_ptr()), rebind[F32Ptr](b.unsafe_ptr()),
             x.dim_size(0), x.dim_size(1), w.dim_size(0), True,
