@@ -195,6 +195,8 @@ def choice(encoding: str) -> Choice:
 
 
 class Measured(Protocol):
+    """What `kept` keeps: a dataclass of this CPU's figures and what they chose."""
+
     busy: float
 
 
