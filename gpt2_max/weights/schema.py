@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from max.driver import is_virtual_device_mode
 from max.dtype import DType
 
 PROJECTIONS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -173,7 +174,13 @@ def check_finite(state_dict: Mapping[str, Any]) -> None:
     diverged, a float16 overflow at save) loads everywhere and answers with NaN logits:
     tokens sampled from nothing, and NaN log-probabilities that JSON writes as null.
     Packed GGUF blocks are not read: their scales lie inside the blocks, and finding
-    them would cost a dequantization at every start."""
+    them would cost a dequantization at every start. Nor is anything read where MAX
+    compiles for a device it does not have (`max warm-cache --target`): there MAX's
+    `WeightData.astype`, which widens a half-precision folder's tensors at load
+    (`safetensors._as_float32`), gives a buffer it leaves uninitialized, whose bytes
+    are no checkpoint's and at times read as a NaN."""
+    if is_virtual_device_mode():
+        return
     for name, weight in state_dict.items():
         if weight.dtype not in (DType.float32, DType.float16):
             continue

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from max.graph.weights import WeightData
 
+from gpt2_max.weights import schema
 from gpt2_max.weights.schema import CheckpointError, check_finite
 
 pytestmark = pytest.mark.tier("unit")
@@ -36,3 +37,14 @@ def test_finite_parameters_pass_even_where_their_sum_overflows():
 
 def test_packed_blocks_are_not_read():
     check_finite(weights(packed=np.full(18, 255, np.uint8)))
+
+
+def test_nothing_is_read_where_max_compiles_for_a_device_it_lacks(monkeypatch):
+    """`max warm-cache --target`: MAX leaves the weights it casts at load uninitialized
+    there, so their bytes (a NaN among them, at times) say nothing of the checkpoint."""
+    damaged = weights(bias=np.array([0.0, np.nan], np.float16))
+    monkeypatch.setattr(schema, "is_virtual_device_mode", lambda: True)
+    check_finite(damaged)
+    monkeypatch.setattr(schema, "is_virtual_device_mode", lambda: False)
+    with pytest.raises(CheckpointError, match="'bias' holds 1 NaN"):
+        check_finite(damaged)
