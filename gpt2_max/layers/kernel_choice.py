@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import psutil
@@ -289,21 +289,36 @@ def measure(encoding: str, *, rounds: int = 3) -> Choice:
         + [Buffer.from_numpy(w) for w in weights[k]]
         for k in weights for s, rows in shapes.items() if k != CUT or s == "decode"
     }
-    times: dict = {key: [] for key in inputs}
-    busy = OthersBusy()
-    for _ in range(rounds):  # alternating, so drift on a shared machine hits all alike
-        for (k, s), buffers in inputs.items():
-            model = models[k]
-            model.execute(*buffers)
-            for _ in range(8 if s == "decode" else 2):
-                start = time.perf_counter()
-                model.execute(*buffers)
-                times[k, s].append(time.perf_counter() - start)
-    median = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+    median, busy = alternated(
+        {(k, s): (models[k], buffers, 8 if s == "decode" else 2)
+         for (k, s), buffers in inputs.items()},
+        rounds,
+    )
     ms = {k: {s: median[k, s] for s in shapes} for k in KERNELS}
     added = median[CUT, "decode"] - ms["package"]["decode"]
     op_ms = added / CHAIN_OPS if 0 < added < ms["package"]["decode"] else 0.0
-    return replace(pick(ms), busy=busy.share(), op_ms=op_ms)
+    return replace(pick(ms), busy=busy, op_ms=op_ms)
+
+
+K = TypeVar("K")
+
+
+def alternated(runs: dict[K, tuple[Any, list[Buffer], int]], rounds: int
+               ) -> tuple[dict[K, float], float]:
+    """Each run's median milliseconds: its model executed once untimed, then its count
+    of times timed, on its buffers, every round, the runs in turns so drift on a shared
+    machine hits all alike; and the share of the CPU's time other processes took while
+    they ran (`OthersBusy`)."""
+    times: dict[K, list[float]] = {key: [] for key in runs}
+    busy = OthersBusy()
+    for _ in range(rounds):
+        for key, (model, buffers, count) in runs.items():
+            model.execute(*buffers)
+            for _ in range(count):
+                start = time.perf_counter()
+                model.execute(*buffers)
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) * 1e3 for key, t in times.items()}, busy.share()
 
 
 class OthersBusy:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +32,7 @@ from .. import kernels
 from ..names import PACKAGE
 from ..settings import setting, settings
 from ..weights.hugepages import hugepage_array
-from .kernel_choice import FF, LAYERS, D, OthersBusy, kept
+from .kernel_choice import FF, LAYERS, D, alternated, kept
 
 logger = logging.getLogger("max.pipelines")
 
@@ -88,17 +86,8 @@ def measure(*, rounds: int = 3) -> Layout:
         lined = name == "lines"
         models[name] = session.load(chain(lined))
         inputs[name] = [x, *(Buffer.from_numpy(held(w, lined)) for w in weights)]
-    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-    busy = OthersBusy()
-    for _ in range(rounds):  # alternating, so drift on a shared machine hits both alike
-        for name in LAYOUTS:
-            models[name].execute(*inputs[name])
-            for _ in range(8):
-                start = time.perf_counter()
-                models[name].execute(*inputs[name])
-                times[name].append(time.perf_counter() - start)
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    return pick(ms, busy.share())
+    ms, busy = alternated({name: (models[name], inputs[name], 8) for name in LAYOUTS}, rounds)
+    return pick(ms, busy)
 
 
 def pick(ms: dict[str, float], busy: float = 0.0) -> Layout:
