@@ -5,7 +5,7 @@
     python benchmarks/bench_bursts.py --steps 1,8 --types q4_k_m --llama-bench
     python benchmarks/bench_bursts.py --steps 8:50,8:150 --types f32   # K:budget in ms
 
-For each file and each setting, a fresh server (the README's recommended CPU settings
+For each file and each setting, a fresh server (the README's recommended metric setting
 plus `GPT2_MAX_DECODE_STEPS=K`, and `GPT2_MAX_BURST_MS` where given) answers, after a
 warm-up:
 
@@ -42,7 +42,8 @@ NEW_TOKENS = 128
 ARRIVES_AFTER = 40
 """The second request is sent as the first's 40th token arrives."""
 RECOMMENDED = {"MAX_SERVE_METRIC_RECORDING_METHOD": "NOOP"}
-"""README's recommended CPU command's environment."""
+"""README's recommended CPU command's metric setting; its 100 ms burst budget is the
+setting `K:100`, the budget's default (250 ms) that of a plain `K`."""
 
 
 async def one_stream(url: str) -> tuple[float, float]:

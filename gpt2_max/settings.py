@@ -24,9 +24,12 @@ from .names import env_var
 MAX_NICE = 19
 """The lowest priority Linux has."""
 
-CPU_DECODE_STEPS = 8
+CPU_DECODE_STEPS = 32
 """Decode steps a pass on the CPU unless `decode_steps` is set (chosen by
-`benchmarks/bench_bursts.py`)."""
+`benchmarks/bench_bursts.py`). A burst ends when a request arrives and at the burst
+budget (`burst_ms`), so a larger `K` costs neither a new request's first token nor
+a stream's wait between chunks more than the budget: it lets short steps pay MAX's
+loop more rarely."""
 
 
 def _one_of(*options: str) -> Callable[[str], str]:

@@ -58,7 +58,7 @@ def test_stream_joins_to_generate_text(generator):
     full = generator.generate(prompt, 40, ignore_eos=True)
     pieces = list(generator.stream(prompt, 40, ignore_eos=True))
     assert "".join(pieces) == full.text == generator.decode(full.token_ids)
-    # A piece a step: a decode burst's tokens (up to 8 a step here) come as one.
+    # A piece a step: a decode burst's tokens (up to `CPU_DECODE_STEPS` a step) come as one.
     assert len(pieces) >= 40 // CPU_DECODE_STEPS and all(pieces)
 
 
