@@ -20,12 +20,13 @@ what MAX's pipeline calls per step (a pass of its loop runs a burst of steps,
 With `--serve`, the same file is also served by `max serve` (as `bench_serve.py` runs it)
 and one streamed request (same prompt, greedy) is timed token by token. Inside the
 model worker `worker_probe.py` times MAX's own per-step functions over the decode
-steps (the scheduler's iteration, and within it the pipeline's `execute` with the
+steps: the scheduler's iteration, and within it the pipeline's `execute` with the
 model graph, `prepare_batch` and the sampler, the request queues, batch
-construction, the response push and the batch metrics); the CPU time each
-process of the server takes over the decode is read with psutil. So the table
-shows what serving adds to the in-process step, where in MAX's loop it goes, and
-what the API process takes from the cores the worker's threads use.
+construction, the response push and the batch metrics, each per token made (a pass
+of MAX's loop makes a decode burst's tokens). The CPU time each process of the
+server takes over the decode is read with psutil. So the table shows what serving
+adds to the in-process step, where in MAX's loop it goes, and what the API process
+takes from the cores the worker's threads use.
 
 With `--alternate ROUNDS`, the tables give way to one comparison: the GB/s of
 weights each type of `--types` streams a decode step (its projection chain alone, its
@@ -216,8 +217,8 @@ def floor_checkpoint(subject: str) -> Path:
 def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[str, float]:
     """Milliseconds per decode token of one streamed request through `max serve` (with
     `env` added to its environment), MAX's per-step parts inside the model worker over
-    its decode steps (`worker_probe.PARTS`), and the CPU milliseconds per token each
-    server process spent meanwhile."""
+    its decode steps per token made (`worker_probe.PARTS`), and the CPU milliseconds
+    per token each server process spent meanwhile."""
     if missing := worker_probe.missing_parts():
         raise RuntimeError(f"this MAX lacks what worker_probe times: {', '.join(missing)}")
     with tempfile.TemporaryDirectory() as scratch:
@@ -239,7 +240,7 @@ def serve_accounting(path: Path, new_tokens: int, env: dict[str, str]) -> dict[s
     first, last = totals
     table = {
         "token": decode_s / steps * 1e3,
-        **worker_probe.per_step(first, last),
+        **worker_probe.per_token(first, last),
         "worker CPU": spent[worker] / steps * 1e3,
         "API process CPU": spent[root.pid] / steps * 1e3,
         "other processes CPU": sum(v for k, v in spent.items() if k not in (worker, root.pid))
@@ -652,8 +653,8 @@ def main() -> None:
 
 
 def print_served(served: dict[str, float], step: float | None = None) -> None:
-    """The `serve` part's table: the token's time through `max serve`, MAX's parts of
-    one step in the model worker, the CPU each server process took."""
+    """The `serve` part's table: the token's time through `max serve`, MAX's parts in
+    the model worker per token made, the CPU each server process took."""
     over = (f" ({served['token'] - step:+.2f} over the in-process step)"
             if step is not None else "")
     print(f"  through max serve: {served['token']:.2f} ms per token{over}")

@@ -205,14 +205,14 @@ def request_totals(folder: Path, timeout_s: float = 10.0) -> dict[str, list[floa
     return json.loads(totals_file.read_text())
 
 
-def per_step(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
-    """Milliseconds per step (per `pipeline.execute` call) of each part between two
-    `request_totals`."""
-    steps = after["pipeline.execute"][1] - before["pipeline.execute"][1]
-    if steps == 0:
+def per_token(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Milliseconds of each part between two `request_totals`, per token the steps made:
+    a pass of MAX's loop that runs a decode burst makes several, so a part per call
+    (per pass) would not add up with the time a token takes."""
+    tokens = sum(after[batch][4] - before[batch][4] for batch in BATCHES)
+    if tokens == 0:
         raise RuntimeError(
             "the model worker ran no TextGenerationPipeline.execute between the two reads "
             "(another pipeline class, such as MAX's overlap pipeline?)"
         )
-    return {name: (after[name][0] - before[name][0]) / steps * 1e3 for name in PARTS}
-
+    return {name: (after[name][0] - before[name][0]) / tokens * 1e3 for name in PARTS}
